@@ -1,0 +1,36 @@
+"""`sglang_tokendance.Engine`: SGLang's offline engine with TokenDance, same API.
+
+Takes every `sglang.Engine` keyword plus `tokendance_*` / `disable_tokendance`; `model_path`
+defaults to the prepared SmolLM2 and, without CUDA, the CPU defaults fill what is not given.
+Import this module before SGLang's runtime modules: SGLang decides at import time whether it
+runs its CPU engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sglang_tokendance import cpu
+from sglang_tokendance.model_store import prepared_default_model
+from sglang_tokendance.server_args import TokenDanceArgs, tokendance_info
+
+ON_CPU = cpu.prepare_process()
+
+from sglang.srt.entrypoints.engine import Engine as SGLangEngine  # noqa: E402  after the CPU setup
+
+
+class Engine(SGLangEngine):
+    def __init__(self, **kwargs: Any):
+        tokendance_args, kwargs = TokenDanceArgs.split_kwargs(kwargs)
+        tokendance_args.export_to_env()  # read by our plugin in every spawned process
+        if "model_path" not in kwargs:
+            kwargs["model_path"] = str(prepared_default_model())
+        if ON_CPU:
+            for name, value in cpu.CPU_SERVER_DEFAULTS.items():
+                kwargs.setdefault(name, value)
+        self.tokendance_args = tokendance_args
+        super().__init__(**kwargs)
+
+    def get_server_info(self) -> dict[str, Any]:
+        """SGLang's server info plus the `tokendance` block the HTTP server reports too."""
+        return {**super().get_server_info(), "tokendance": tokendance_info(self.tokendance_args)}

@@ -1,0 +1,99 @@
+"""`python -m sglang_tokendance.launch_server`: SGLang's server with TokenDance.
+
+Accepts every `python -m sglang.launch_server` flag plus the `--tokendance-*` ones.
+`--model-path` defaults to the prepared SmolLM2-135M-Instruct; without CUDA the CPU defaults
+(cpu.CPU_SERVER_DEFAULTS) apply to every flag the user did not give.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from sglang_tokendance import cpu
+from sglang_tokendance.server_args import TokenDanceArgs, TokenDanceArgsError
+
+PROG = "python -m sglang_tokendance.launch_server"
+
+
+class _OneLineErrorParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _tokendance_parser() -> argparse.ArgumentParser:
+    parser = _OneLineErrorParser(prog=PROG, add_help=False, allow_abbrev=False)
+    TokenDanceArgs.add_cli_args(parser)
+    return parser
+
+
+def _print_help() -> None:
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="SGLang's HTTP server with TokenDance's round-aware KV sharing. "
+        "--model-path defaults to the prepared SmolLM2-135M-Instruct.",
+    )
+    ServerArgs.add_cli_args(parser)
+    TokenDanceArgs.add_cli_args(parser)
+    parser.print_help()
+
+
+def given(argv: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def with_defaults(argv: list[str], on_cpu: bool) -> list[str]:
+    """argv plus our defaults for every flag it does not set."""
+    extra: list[str] = []
+    if not given(argv, "--model-path") and not given(argv, "--model"):
+        from sglang_tokendance.model_store import prepared_default_model
+
+        extra += ["--model-path", str(prepared_default_model())]
+    if on_cpu:
+        for name, value in cpu.CPU_SERVER_DEFAULTS.items():
+            flag = "--" + name.replace("_", "-")
+            if given(argv, flag):
+                continue
+            extra += [flag] if value is True else [flag, str(value)]
+    return argv + extra
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        _print_help()
+        return
+    parser = _tokendance_parser()
+    td_namespace, sglang_argv = parser.parse_known_args(argv)
+    unknown = [a.split("=")[0] for a in sglang_argv if a.startswith("--tokendance-")]
+    if unknown:
+        parser.error(f"unrecognized TokenDance option: {unknown[0]}")
+    try:
+        td_args = TokenDanceArgs.from_cli_args(td_namespace)
+    except TokenDanceArgsError as e:
+        sys.exit(f"{PROG}: error: {e}")
+    td_args.export_to_env()
+    on_cpu = cpu.prepare_process()
+    try:
+        sglang_argv = with_defaults(sglang_argv, on_cpu)
+    except RuntimeError as e:
+        sys.exit(f"{PROG}: error: {e}")
+
+    from sglang.launch_server import run_server
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.utils import kill_process_tree
+
+    load_plugins()
+    server_args = prepare_server_args(sglang_argv)
+    try:
+        run_server(server_args)
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)
+
+
+if __name__ == "__main__":
+    main()

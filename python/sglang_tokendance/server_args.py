@@ -1,0 +1,127 @@
+"""TokenDance options: one dataclass, parsed from `--tokendance-*` flags and validated here.
+
+SGLang's ServerArgs is a closed msgspec record pickled into its spawned processes, so our
+options travel beside it: the launcher (or Engine) serialises them into the environment
+variable SGLANG_TOKENDANCE_CONFIG, which every spawned process inherits and our plugin reads.
+A plain `python -m sglang.launch_server` never sets it, so the plugin stays inert there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+ENV_VAR = "SGLANG_TOKENDANCE_CONFIG"
+
+
+class TokenDanceArgsError(ValueError):
+    """A bad TokenDance option; `flag` names it as the user typed it."""
+
+    def __init__(self, flag: str, message: str):
+        super().__init__(f"{flag}: {message}")
+        self.flag = flag
+
+
+def _option(default: Any, help: str, flag: str | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "flag": flag})
+
+
+@dataclass(frozen=True)
+class TokenDanceArgs:
+    disable_tokendance: bool = _option(
+        False,
+        "Switch TokenDance's KV machinery off: the server behaves as stock SGLang.",
+        flag="--disable-tokendance",
+    )
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            expected = bool if f.type in ("bool", bool) else None
+            if expected is not None and not isinstance(value, expected):
+                raise TokenDanceArgsError(flag_of(f), f"expected {expected.__name__}, got {value!r}")
+
+    # --- command line -------------------------------------------------------------------
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        group = parser.add_argument_group("TokenDance")
+        for f in dataclasses.fields(TokenDanceArgs):
+            if f.type in ("bool", bool):
+                group.add_argument(flag_of(f), dest=f.name, action="store_true", help=f.metadata["help"])
+            else:
+                group.add_argument(
+                    flag_of(f), dest=f.name, default=f.default, metavar=f.name.upper(),
+                    help=f"{f.metadata['help']} (default: {f.default})",
+                )
+
+    @classmethod
+    def from_cli_args(cls, namespace: argparse.Namespace) -> "TokenDanceArgs":
+        return cls.from_dict({f.name: getattr(namespace, f.name) for f in dataclasses.fields(cls)})
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "TokenDanceArgs":
+        """Build from raw values (strings from a command line are converted), validating."""
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise TokenDanceArgsError(unknown[0], f"unknown TokenDance option (known: {', '.join(known)})")
+        return cls(**{name: _convert(known[name], value) for name, value in values.items()})
+
+    @classmethod
+    def split_kwargs(cls, kwargs: dict[str, Any]) -> tuple["TokenDanceArgs", dict[str, Any]]:
+        """Engine(**kwargs): take `tokendance_*` / `disable_tokendance`, leave SGLang's."""
+        by_kwarg = {kwarg_of(f): f.name for f in dataclasses.fields(cls)}
+        ours, rest = {}, {}
+        for key, value in kwargs.items():
+            if key in by_kwarg:
+                ours[by_kwarg[key]] = value
+            elif key.startswith("tokendance_"):
+                raise TokenDanceArgsError(key, f"unknown TokenDance option (known: {', '.join(by_kwarg)})")
+            else:
+                rest[key] = value
+        return cls.from_dict(ours), rest
+
+    # --- the route into spawned processes -------------------------------------------------
+
+    def export_to_env(self) -> None:
+        os.environ[ENV_VAR] = json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_env(cls) -> "TokenDanceArgs | None":
+        raw = os.environ.get(ENV_VAR)
+        return None if raw is None else cls.from_dict(json.loads(raw))
+
+    @property
+    def kv_enabled(self) -> bool:
+        return not self.disable_tokendance
+
+
+def tokendance_info(args: TokenDanceArgs) -> dict[str, Any]:
+    """What /server_info reports under "tokendance": clients detect TokenDance by it."""
+    from sglang_tokendance import __version__
+
+    return {"version": __version__, **dataclasses.asdict(args)}
+
+
+def flag_of(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag") or "--tokendance-" + f.name.replace("_", "-")
+
+
+def kwarg_of(f: dataclasses.Field) -> str:
+    """The Engine keyword of an option: its flag without dashes (`tokendance_separator`)."""
+    return flag_of(f).lstrip("-").replace("-", "_")
+
+
+def _convert(f: dataclasses.Field, value: Any) -> Any:
+    kind = {"bool": bool, "int": int, "float": float, "str": str}.get(str(f.type), None)
+    if kind is None or kind is bool or not isinstance(value, str) or kind is str:
+        return value
+    try:
+        return kind(value)
+    except ValueError:
+        raise TokenDanceArgsError(flag_of(f), f"expected {kind.__name__}, got {value!r}") from None

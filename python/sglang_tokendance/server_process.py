@@ -1,0 +1,92 @@
+"""Start, await and stop an HTTP server, ours or stock SGLang, as a child process.
+
+Used by the tests and the benchmarks that compare TokenDance with stock SGLang. A stock server
+gets the same model and CPU defaults as ours (and the sgl_kernel fallback, when needed) but
+no TokenDance options in its environment, so our installed plugin stays inert in it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import requests
+
+from sglang_tokendance import cpu
+from sglang_tokendance.launch_server import with_defaults
+from sglang_tokendance.server_args import ENV_VAR
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """A server child in its own process group; `stop()` ends the whole group."""
+
+    def __init__(self, argv: list[str], *, stock: bool = False, port: int | None = None,
+                 env: dict[str, str] | None = None, log_path: str | Path | None = None):
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        on_cpu = cpu.prepare_process()  # puts the CPU route into os.environ, inherited below
+        child_env = {**os.environ, **(env or {})}
+        if stock:
+            child_env.pop(ENV_VAR, None)
+            module = "sglang.launch_server"
+            argv = with_defaults(argv, on_cpu)
+        else:
+            module = "sglang_tokendance.launch_server"
+        if log_path is None:
+            log_path = tempfile.mktemp(prefix="tokendance-server-", suffix=".log")
+        self.log_path = Path(log_path)
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", module, *argv, "--host", "127.0.0.1", "--port", str(self.port)],
+            env=child_env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def wait_ready(self, timeout: float = 600.0) -> "ServerProcess":
+        """Block until /health answers 200, or raise with the end of the server's log."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if requests.get(self.url + "/health", timeout=5).status_code == 200:
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise TimeoutError(f"server not ready after {timeout:.0f} s:\n{self.log_tail()}")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """End the server and every process it spawned (they share its process group)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+        try:  # stragglers: scheduler or detokenizer children still in the group
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self._log.close()
+
+    def __enter__(self) -> "ServerProcess":
+        return self.wait_ready()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

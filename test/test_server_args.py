@@ -1,0 +1,90 @@
+"""TokenDance options: parsing, validation, the environment route, launcher defaults."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from sglang_tokendance import cpu
+from sglang_tokendance.launch_server import given, with_defaults
+from sglang_tokendance.server_args import ENV_VAR, TokenDanceArgs, TokenDanceArgsError
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser()
+    TokenDanceArgs.add_cli_args(parser)
+    return TokenDanceArgs.from_cli_args(parser.parse_args(argv))
+
+
+def test_defaults_and_disable_flag():
+    assert parse([]) == TokenDanceArgs()
+    assert parse([]).kv_enabled
+    assert not parse(["--disable-tokendance"]).kv_enabled
+
+
+def test_unknown_option_names_it():
+    with pytest.raises(TokenDanceArgsError, match="bogus") as err:
+        TokenDanceArgs.from_dict({"bogus": 1})
+    assert err.value.flag == "bogus"
+
+
+def test_wrong_type_names_the_flag():
+    with pytest.raises(TokenDanceArgsError, match="--disable-tokendance"):
+        TokenDanceArgs(disable_tokendance="yes")
+
+
+def test_split_kwargs_takes_ours_and_leaves_sglangs():
+    args, rest = TokenDanceArgs.split_kwargs({"disable_tokendance": True, "port": 1, "dtype": "float32"})
+    assert args.disable_tokendance and rest == {"port": 1, "dtype": "float32"}
+    with pytest.raises(TokenDanceArgsError, match="tokendance_nope"):
+        TokenDanceArgs.split_kwargs({"tokendance_nope": 3})
+
+
+def test_environment_round_trip(monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    assert TokenDanceArgs.from_env() is None
+    TokenDanceArgs(disable_tokendance=True).export_to_env()
+    assert TokenDanceArgs.from_env() == TokenDanceArgs(disable_tokendance=True)
+
+
+def test_cpu_defaults_fill_only_what_is_not_given(smollm2_path):
+    argv = with_defaults(["--dtype", "bfloat16", "--max-total-tokens=4096"], on_cpu=True)
+    assert argv.count("--dtype") == 1 and argv[argv.index("--dtype") + 1] == "bfloat16"
+    assert "--max-total-tokens=4096" in argv and argv.count("--max-total-tokens") == 0
+    for flag in ("--device", "--attention-backend", "--disable-cuda-graph", "--sleep-on-idle"):
+        assert given(argv, flag)
+    assert argv[argv.index("--model-path") + 1] == str(smollm2_path)
+
+
+def test_no_cpu_defaults_on_cuda_path(smollm2_path):
+    argv = with_defaults(["--model-path", "/some/model"], on_cpu=False)
+    assert argv == ["--model-path", "/some/model"]
+
+
+def run_launcher(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "sglang_tokendance.launch_server", *argv],
+        capture_output=True, text=True, timeout=300,
+    )
+
+
+def test_unknown_tokendance_flag_exits_with_one_line_error():
+    result = run_launcher("--tokendance-bogus", "1")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--tokendance-bogus" in lines[0]
+
+
+def test_cpu_environment_reaches_children(monkeypatch):
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    monkeypatch.delenv("SGLANG_USE_CPU_ENGINE", raising=False)
+    assert cpu.prepare_process()  # no CUDA on these machines
+    child = subprocess.run(
+        [sys.executable, "-c",
+         "import os, sgl_kernel; print(os.environ['SGLANG_USE_CPU_ENGINE'], sgl_kernel.IS_TOKENDANCE_FALLBACK)"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert child.stdout.split() == ["1", "True"], child.stderr
