@@ -24,6 +24,28 @@ def test_engine_defaults_to_smollm2_and_matches_hf(hf_smollm2):
         engine.shutdown()
 
 
+def test_engine_disabled_tokendance_keeps_the_interface(smollm2_path):
+    """--disable-tokendance: markers are still stripped and segments tokenised alone."""
+    import sglang_tokendance
+    from sglang_tokendance.core.segments import DEFAULT_SEPARATOR as SEP
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    block = "Ada: The council will vote on the new market hall tomorrow at noon in the square."
+    pieces = ["History of the baker.", block, " Reply:"]
+    ids = tokenizer.encode(pieces[0]) + sum((tokenizer.encode(p, add_special_tokens=False) for p in pieces[1:]), [])
+    engine = sglang_tokendance.Engine(disable_tokendance=True, tokendance_min_segment_tokens=4, log_level="error")
+    try:
+        params = {"max_new_tokens": 8, "temperature": 0}
+        marked = engine.generate(SEP.join(pieces), params)
+        assert marked["output_ids"] == engine.generate(input_ids=ids, sampling_params=params)["output_ids"]
+        (span,) = marked["meta_info"]["tokendance"]["segments"]
+        assert span["start"] == len(tokenizer.encode(pieces[0]))
+        assert engine.get_server_info()["tokendance"]["disable_tokendance"] is True
+    finally:
+        engine.shutdown()
+
+
 def test_engine_rejects_unknown_tokendance_option():
     import sglang_tokendance
     from sglang_tokendance.server_args import TokenDanceArgsError

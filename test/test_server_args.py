@@ -78,6 +78,25 @@ def test_unknown_tokendance_flag_exits_with_one_line_error():
     assert len(lines) == 1 and "--tokendance-bogus" in lines[0]
 
 
+@pytest.mark.parametrize("argv,flag", [
+    (["--tokendance-min-segment-tokens", "0"], "--tokendance-min-segment-tokens"),
+    (["--tokendance-max-segments", "many"], "--tokendance-max-segments"),
+    (["--tokendance-separator", " "], "--tokendance-separator"),
+])
+def test_bad_tokendance_value_exits_with_one_line_error(argv, flag):
+    result = run_launcher(*argv)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and flag in lines[0]
+
+
+def test_values_from_strings_are_converted_and_validated():
+    args = TokenDanceArgs.from_dict({"min_segment_tokens": "8", "max_segments": "32", "separator": "[[SEP]]"})
+    assert (args.min_segment_tokens, args.max_segments, args.separator) == (8, 32, "[[SEP]]")
+    with pytest.raises(TokenDanceArgsError, match="--tokendance-max-segments"):
+        TokenDanceArgs(max_segments=0)
+
+
 def test_cpu_environment_reaches_children(monkeypatch):
     monkeypatch.delenv("PYTHONPATH", raising=False)
     monkeypatch.delenv("SGLANG_USE_CPU_ENGINE", raising=False)

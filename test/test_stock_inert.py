@@ -21,3 +21,23 @@ def test_plugin_is_inert_under_stock_launch_server(smollm2_path, hf_smollm2):
         assert "tokendance" not in info
         prompt = "The capital of France is"
         assert generate(stock.url, prompt, 16)["output_ids"] == hf_greedy(hf_smollm2, prompt, 16)
+        assert_separator_emits_nothing(stock.url)
+
+
+def assert_separator_emits_nothing(url):
+    """Against a server without TokenDance, sgl.separator() adds no text at all."""
+    import sglang as sgl
+
+    import sglang_tokendance.lang  # noqa: F401
+
+    @sgl.function
+    def program(s, with_separators):
+        sep = sgl.separator() if with_separators else ""
+        s += "Bread prices rose." + sep + " The mill is closed." + sep + " So"
+        s += sgl.gen("answer", max_tokens=8, temperature=0)
+
+    backend = sgl.RuntimeEndpoint(url)
+    marked = program.run(with_separators=True, backend=backend)
+    plain = program.run(with_separators=False, backend=backend)
+    assert marked.text() == plain.text()
+    assert "tokendance" not in marked.text()

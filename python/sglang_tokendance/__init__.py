@@ -4,6 +4,9 @@ __version__ = "0.1.0"
 
 __all__ = ["Engine", "__version__"]
 
+if "sglang" in __import__("sys").modules:  # cheap now: give programs sgl.separator()
+    import sglang_tokendance.lang  # noqa: F401
+
 
 def __getattr__(name: str):
     # Lazy: importing SGLang takes seconds and must follow the CPU setup in engine.py.

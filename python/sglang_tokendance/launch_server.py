@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         td_args = TokenDanceArgs.from_cli_args(td_namespace)
     except TokenDanceArgsError as e:
-        sys.exit(f"{PROG}: error: {e}")
+        parser.error(str(e))
     td_args.export_to_env()
     on_cpu = cpu.prepare_process()
     try:

@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from sglang_tokendance.core.segments import DEFAULT_SEPARATOR
+
 ENV_VAR = "SGLANG_TOKENDANCE_CONFIG"
 
 
@@ -38,12 +40,29 @@ class TokenDanceArgs:
         flag="--disable-tokendance",
     )
 
+    separator: str = _option(
+        DEFAULT_SEPARATOR,
+        "Zero-width marker between prompt segments (stripped; each segment is tokenised alone).",
+    )
+    min_segment_tokens: int = _option(
+        16, "Segments shorter than this many tokens are treated as private text."
+    )
+    max_segments: int = _option(512, "Most segments one prompt may hold (more is a 400 error).")
+
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            expected = bool if f.type in ("bool", bool) else None
-            if expected is not None and not isinstance(value, expected):
+            expected = _TYPES[str(f.type)]
+            if type(value) is not expected and not (expected is float and type(value) is int):
                 raise TokenDanceArgsError(flag_of(f), f"expected {expected.__name__}, got {value!r}")
+        if not any(c.isalnum() for c in self.separator) or self.separator != self.separator.strip():
+            raise TokenDanceArgsError(
+                "--tokendance-separator",
+                f"{self.separator!r} must contain letters or digits and no surrounding whitespace",
+            )
+        for name in ("min_segment_tokens", "max_segments"):
+            if getattr(self, name) < 1:
+                raise TokenDanceArgsError(flag_of(_field(name)), f"must be >= 1, got {getattr(self, name)}")
 
     # --- command line -------------------------------------------------------------------
 
@@ -108,6 +127,13 @@ def tokendance_info(args: TokenDanceArgs) -> dict[str, Any]:
     return {"version": __version__, **dataclasses.asdict(args)}
 
 
+_TYPES = {"bool": bool, "int": int, "float": float, "str": str}
+
+
+def _field(name: str) -> dataclasses.Field:
+    return next(f for f in dataclasses.fields(TokenDanceArgs) if f.name == name)
+
+
 def flag_of(f: dataclasses.Field) -> str:
     return f.metadata.get("flag") or "--tokendance-" + f.name.replace("_", "-")
 
@@ -118,8 +144,8 @@ def kwarg_of(f: dataclasses.Field) -> str:
 
 
 def _convert(f: dataclasses.Field, value: Any) -> Any:
-    kind = {"bool": bool, "int": int, "float": float, "str": str}.get(str(f.type), None)
-    if kind is None or kind is bool or not isinstance(value, str) or kind is str:
+    kind = _TYPES[str(f.type)]
+    if kind in (bool, str) or not isinstance(value, str):
         return value
     try:
         return kind(value)

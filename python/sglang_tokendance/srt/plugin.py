@@ -17,6 +17,10 @@ def register() -> None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    from sglang_tokendance.srt import prompt_interface
+
+    prompt_interface.register(args)  # the interface stays on under --disable-tokendance
+
     def add_tokendance_info(result: dict[str, Any], *unused, **unused_kw) -> dict[str, Any]:
         """/server_info tells clients (e.g. sgl.separator()) that TokenDance is serving."""
         return {**result, "tokendance": tokendance_info(args)}

@@ -1,0 +1,145 @@
+"""Round-aware prompts: split at separators, tokenise each segment alone, hash it by content.
+
+A prompt is a sequence of pieces separated by a zero-width marker. Pieces between two markers
+are *segments*: each is tokenised on its own (no BOS inside), so its token ids, and therefore
+its content hash, do not depend on its neighbours or on where it sits. The piece before the
+first marker and the one after the last are private text, and so is any segment shorter than
+`min_segment_tokens`. The model sees exactly the concatenation of the pieces' tokens.
+
+Plain torch-free Python: the tokenizer is any object with `encode(text, add_special_tokens=)`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from dataclasses import dataclass
+from typing import Iterable, Protocol, Sequence, Union
+
+DEFAULT_SEPARATOR = "<|tokendance_sep|>"
+
+Piece = Union[str, Sequence[int]]
+
+
+class SegmentError(ValueError):
+    """Malformed round-aware input; the server answers it with HTTP 400."""
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class SegmentSpan:
+    """One shared segment: token offsets [start, end) in the prompt and its content hash."""
+
+    start: int
+    end: int
+    hash: str
+
+    def to_json(self) -> dict:
+        return {"start": self.start, "end": self.end, "hash": self.hash}
+
+
+@dataclass(frozen=True)
+class SegmentedPrompt:
+    input_ids: list[int]
+    spans: tuple[SegmentSpan, ...]
+
+    def to_json(self) -> dict:
+        return {"segments": [s.to_json() for s in self.spans]}
+
+
+def segment_hash(token_ids: Sequence[int], model_salt: bytes) -> str:
+    """128-bit blake2b of the ids, keyed by the model's identity: equal ids on another model
+    (or dtype, or KV dtype) never share KV."""
+    digest = hashlib.blake2b(digest_size=16, key=model_salt[:64])
+    digest.update(array("q", token_ids).tobytes())
+    return digest.hexdigest()
+
+
+class Segmenter:
+    """Turns marked text, or an explicit list of pieces, into ids + shared segment spans."""
+
+    def __init__(self, tokenizer: Tokenizer, *, model_salt: bytes, vocab_size: int,
+                 separator: str = DEFAULT_SEPARATOR, min_segment_tokens: int = 16,
+                 max_segments: int = 512, special_tokens: Iterable[str] = ()):
+        self.tokenizer = tokenizer
+        self.model_salt = model_salt
+        self.vocab_size = vocab_size
+        self.separator = separator
+        self.min_segment_tokens = min_segment_tokens
+        self.max_segments = max_segments
+        self.special_tokens = tuple(t for t in special_tokens if t)
+        # What is left of a marker once its punctuation is gone: a broken marker keeps it.
+        self._marker_core = separator.strip("<>|[]{}()") or separator
+
+    def has_marker(self, text: str) -> bool:
+        return self._marker_core in text
+
+    def split_text(self, text: str) -> list[str]:
+        """The pieces of marked text, rejecting broken markers and split special tokens."""
+        pieces = text.split(self.separator)
+        for i, piece in enumerate(pieces):
+            if self._marker_core in piece:
+                raise SegmentError(
+                    f"malformed separator near {piece[max(0, piece.index(self._marker_core) - 8):][:40]!r}: "
+                    f"write it exactly as {self.separator!r}"
+                )
+            if i > 0:
+                self._check_cut(pieces[i - 1], piece)
+        return pieces
+
+    def _check_cut(self, before: str, after: str) -> None:
+        """A marker must not sit inside a special token such as <|im_start|>."""
+        for token in self.special_tokens:
+            joined = before[-len(token) + 1:] + after[: len(token) - 1]
+            cut = len(before[-len(token) + 1:])
+            at = joined.find(token)
+            while at != -1:
+                if at < cut < at + len(token):
+                    raise SegmentError(f"a separator splits the special token {token!r}")
+                at = joined.find(token, at + 1)
+
+    def from_text(self, text: str) -> SegmentedPrompt:
+        return self.from_pieces(self.split_text(text))
+
+    def from_pieces(self, pieces: Sequence[Piece], add_special_tokens: bool = True) -> SegmentedPrompt:
+        """pieces[0] and pieces[-1] are private; pieces[1:-1] are the segments.
+
+        `add_special_tokens` lets the first piece carry the tokenizer's BOS, as a plain prompt
+        would; a rendered chat template already holds its own."""
+        if not pieces:
+            raise SegmentError("no prompt pieces given")
+        if len(pieces) - 2 > self.max_segments:
+            raise SegmentError(
+                f"{len(pieces) - 2} segments exceed --tokendance-max-segments={self.max_segments}"
+            )
+        input_ids: list[int] = []
+        spans: list[SegmentSpan] = []
+        last = len(pieces) - 1
+        for i, piece in enumerate(pieces):
+            ids = self._piece_ids(piece, specials=add_special_tokens and i == 0)
+            if 0 < i < last:
+                if not ids:
+                    raise SegmentError(f"segment {i} is empty (two separators with nothing between)")
+                if len(ids) >= self.min_segment_tokens:
+                    start = len(input_ids)
+                    spans.append(SegmentSpan(start, start + len(ids), segment_hash(ids, self.model_salt)))
+            input_ids.extend(ids)
+        return SegmentedPrompt(input_ids, tuple(spans))
+
+    def _piece_ids(self, piece: Piece, specials: bool) -> list[int]:
+        if isinstance(piece, str):
+            # Only the prompt's start may carry the tokenizer's BOS (if it adds one).
+            if not piece and not specials:
+                return []
+            return list(self.tokenizer.encode(piece, add_special_tokens=specials))
+        if isinstance(piece, (list, tuple)) and all(type(t) is int for t in piece):
+            bad = [t for t in piece if not 0 <= t < self.vocab_size]
+            if bad:
+                raise SegmentError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+            return list(piece)
+        raise SegmentError(
+            f"a segment must be a string or a list of token ids, got {type(piece).__name__}"
+        )

@@ -1,0 +1,232 @@
+"""The round-aware prompt interface inside SGLang's tokenizer manager (HookRegistry hooks).
+
+* /generate, /v1/completions and Engine: text holding separators, or the explicit
+  `segments` field of /generate, becomes input_ids tokenised segment by segment
+  (core/segments). Plain prompts take SGLang's own path untouched.
+* /v1/chat/completions: when a message holds a separator, the rendered template text is
+  sent on (instead of SGLang's ids), so the same splitting applies; the template's own text
+  is private text between segments.
+* Offsets and hashes ride to the scheduler inside `sampling_params.custom_params` under a key
+  that is always stripped from client input first, so clients can never supply them.
+* Every /generate response gets `meta_info["tokendance"]`; non-streaming OpenAI responses
+  get it as `metadata["tokendance"]` (the first prompt's, for a batch).
+Bad input raises ValueError, which SGLang answers with HTTP 400; streaming /generate
+requests are checked earlier, at SGLang's contract gate, so they get a real 400 too.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from sglang_tokendance.core.model_identity import model_identity, weight_checksums
+from sglang_tokendance.core.segments import Piece, SegmentError, Segmenter, SegmentedPrompt
+from sglang_tokendance.model_store import tokendance_home
+from sglang_tokendance.server_args import TokenDanceArgs
+
+CARRIER_KEY = "tokendance"  # in sampling_params.custom_params; only this module sets it
+TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
+
+
+def register(args: TokenDanceArgs) -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    def generate_request(original, self, obj, request=None, *rest, **kw):
+        return _generate_request(original, args, self, obj, request, *rest, **kw)
+
+    def contract_error(result, body, *rest, **kw):
+        return result if result is not None else _streaming_contract_error(args, body)
+
+    def send_marked_chat_as_text(result, serving_chat, request, *rest, **kw):
+        return _send_marked_chat_as_text(args, result, serving_chat, request)
+
+    HookRegistry.register(f"{TOKENIZER_MANAGER}.generate_request", generate_request, HookType.AROUND)
+    HookRegistry.register(f"{TOKENIZER_MANAGER}._wait_one_response", _wait_one_response, HookType.AROUND)
+    HookRegistry.register(
+        "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._process_messages",
+        send_marked_chat_as_text, HookType.AFTER,
+    )
+    HookRegistry.register(
+        "sglang.srt.entrypoints.api_contract.generate_contract_error", contract_error, HookType.AFTER
+    )
+    HookRegistry.register(
+        "sglang.srt.utils.weight_versions.build_endpoint_weight_version_metadata",
+        _openai_metadata, HookType.AFTER,
+    )
+
+
+# --- the segmenter of one tokenizer manager ---------------------------------------------
+
+
+def segmenter_of(tokenizer_manager, args: TokenDanceArgs) -> Segmenter:
+    segmenter = getattr(tokenizer_manager, "_tokendance_segmenter", None)
+    if segmenter is None:
+        tokenizer = tokenizer_manager.tokenizer
+        segmenter = Segmenter(
+            tokenizer,
+            model_salt=model_salt(tokenizer_manager.server_args),
+            vocab_size=tokenizer_manager.model_config.vocab_size,
+            separator=args.separator,
+            min_segment_tokens=args.min_segment_tokens,
+            max_segments=args.max_segments,
+            special_tokens=special_token_strings(tokenizer),
+        )
+        tokenizer_manager._tokendance_segmenter = segmenter
+    return segmenter
+
+
+def model_salt(server_args) -> bytes:
+    from pathlib import Path
+
+    model_dir = Path(server_args.model_path)
+    if not (model_dir / "config.json").is_file():
+        raise RuntimeError(f"TokenDance needs a local model folder, got {server_args.model_path!r}")
+    sums = weight_checksums(model_dir, tokendance_home() / "weight_checksums.json")
+    return model_identity(model_dir / "config.json", sums, str(server_args.dtype), str(server_args.kv_cache_dtype))
+
+
+def special_token_strings(tokenizer) -> list[str]:
+    """Every special/added token a separator must not cut through."""
+    tokens = set(getattr(tokenizer, "all_special_tokens", []))
+    for added in getattr(tokenizer, "added_tokens_decoder", {}).values():
+        if getattr(added, "special", False):
+            tokens.add(str(added))
+    return sorted(tokens)
+
+
+# --- requests ---------------------------------------------------------------------------
+
+
+async def _generate_request(original, args, tokenizer_manager, obj, request, *rest, **kw):
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    if isinstance(obj, GenerateReqInput):
+        segments = None
+        if request is not None and request.url.path.endswith("/generate"):
+            segments = (await request.json()).get("segments")
+        chat = request is not None and request.url.path.endswith("/chat/completions")
+        try:
+            apply_segments(obj, segments_field=segments, from_chat=chat,
+                           segmenter=segmenter_of(tokenizer_manager, args))
+        except SegmentError as e:
+            raise ValueError(str(e)) from None
+    async for out in original(tokenizer_manager, obj, request, *rest, **kw):
+        yield out
+
+
+def apply_segments(obj, *, segments_field, from_chat: bool, segmenter: Segmenter) -> None:
+    """Rewrite a GenerateReqInput in place: segmented prompts become ids + carried spans.
+
+    Chat prompts are rendered templates, which SGLang encodes without added special tokens.
+    """
+    strip_client_carrier(obj)
+    texts = obj.text
+    if segments_field is not None:
+        if texts is not None or obj.input_ids is not None:
+            raise SegmentError("`segments` cannot be combined with `text` or `input_ids`")
+        prompts = _segments_as_prompts(segments_field)
+        batched = _is_batch_of_pieces(segments_field)
+    else:
+        batched = isinstance(texts, list)
+        items = texts if batched else [texts]
+        if texts is None or not any(isinstance(t, str) and segmenter.has_marker(t) for t in items):
+            return  # a plain prompt: SGLang's own path, untouched
+        if obj.input_ids is not None:
+            raise SegmentError("separators in `text` cannot be combined with `input_ids`")
+        prompts = [segmenter.split_text(t) for t in items]
+    results = [segmenter.from_pieces(p, add_special_tokens=not from_chat) for p in prompts]
+    obj.text = None
+    obj.input_ids = [r.input_ids for r in results] if batched else results[0].input_ids
+    _carry(obj, results, batched)
+
+
+def strip_client_carrier(obj) -> None:
+    params = obj.sampling_params
+    for p in params if isinstance(params, list) else [params]:
+        if isinstance(p, dict) and isinstance(p.get("custom_params"), dict):
+            p["custom_params"].pop(CARRIER_KEY, None)
+
+
+def _is_batch_of_pieces(value: Any) -> bool:
+    """[[pieces of prompt 1], [pieces of prompt 2]] vs [piece, piece] (a piece is a str or
+    a list of ints, so a list holding a str or a list is a prompt, not a piece)."""
+    return (
+        isinstance(value, list) and bool(value)
+        and all(isinstance(item, list) for item in value)
+        and any(isinstance(p, (str, list)) for item in value for p in item)
+    )
+
+
+def _segments_as_prompts(value: Any) -> list[list[Piece]]:
+    if not isinstance(value, list) or not value:
+        raise SegmentError("`segments` must be a non-empty list of strings or token-id lists")
+    return value if _is_batch_of_pieces(value) else [value]
+
+
+def _carry(obj, results: list[SegmentedPrompt], batched: bool) -> None:
+    """Put each prompt's spans in its own sampling_params copy (SGLang shares one dict)."""
+    params = obj.sampling_params
+    base = params if isinstance(params, list) else [params] * len(results)
+    carried = []
+    for p, result in zip(base, results):
+        p = dict(p or {})
+        p["custom_params"] = {**(p.get("custom_params") or {}), CARRIER_KEY: json.dumps(result.to_json())}
+        carried.append(p)
+    obj.sampling_params = carried if batched else carried[0]
+
+
+def carried_info(obj) -> dict:
+    """meta_info["tokendance"] of one request (empty segments for plain prompts)."""
+    params = obj.sampling_params
+    custom = params.get("custom_params") if isinstance(params, dict) else None
+    raw = custom.get(CARRIER_KEY) if isinstance(custom, dict) else None
+    return json.loads(raw) if raw else {"segments": []}
+
+
+def _wait_one_response(original, self, obj, request=None, *rest, **kw):
+    responses = original(self, obj, request, *rest, **kw)
+    info = carried_info(obj)
+
+    async def with_tokendance_info():
+        async for out in responses:
+            if isinstance(out, dict) and isinstance(out.get("meta_info"), dict):
+                out["meta_info"]["tokendance"] = info
+            yield out
+
+    return with_tokendance_info()
+
+
+def _openai_metadata(result: dict, meta_info: dict, *rest, **kw) -> dict:
+    """Non-streaming OpenAI responses show the (first) prompt's segments in `metadata`."""
+    if "tokendance" in meta_info:
+        return {**result, "tokendance": meta_info["tokendance"]}
+    return result
+
+
+def _send_marked_chat_as_text(args: TokenDanceArgs, result, serving_chat, request):
+    """A chat whose messages hold separators goes on as rendered text, markers intact."""
+    tokenizer_manager = serving_chat.tokenizer_manager
+    segmenter = segmenter_of(tokenizer_manager, args)
+    if isinstance(result.prompt_ids, list) and request.input_ids is None and any(
+        segmenter.has_marker(str(getattr(m, "content", ""))) for m in request.messages
+    ):
+        result.prompt_ids = tokenizer_manager.tokenizer.decode(result.prompt_ids)
+    return result
+
+
+def _streaming_contract_error(args: TokenDanceArgs, body: Any) -> str | None:
+    """Check a streaming /generate body before its 200 stream starts."""
+    if not isinstance(body, dict) or not body.get("stream"):
+        return None
+    from types import SimpleNamespace
+
+    from sglang.srt.entrypoints.http_server import _global_state
+
+    obj = SimpleNamespace(text=body.get("text"), input_ids=body.get("input_ids"),
+                          sampling_params=json.loads(json.dumps(body.get("sampling_params"))))
+    try:
+        apply_segments(obj, segments_field=body.get("segments"), from_chat=False,
+                       segmenter=segmenter_of(_global_state.tokenizer_manager, args))
+    except SegmentError as e:
+        return str(e)
+    return None

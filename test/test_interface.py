@@ -1,0 +1,191 @@
+"""The round-aware interface end to end: separators, `segments`, chat, frontend, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import requests
+
+from conftest import generate
+from sglang_tokendance.core.segments import DEFAULT_SEPARATOR as SEP
+from sglang_tokendance.server_process import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+HISTORY = "You are Mira, the baker of Oakvale. Yesterday you sold rye bread to the mayor."
+BLOCK_A = "Tom: The river flooded the old mill last night, so the north road is closed until Friday."
+BLOCK_B = "Ada: The council will vote on the new market hall tomorrow at noon in the town square."
+QUESTION = " Mira, what do you say to the others?"
+MAX_SEGMENTS = 6
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path):
+    with ServerProcess(["--tokendance-max-segments", str(MAX_SEGMENTS), "--context-length", "2048"]) as proc:
+        yield proc.url
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_path)
+
+
+def pieces_ids(tokenizer, pieces, specials=True):
+    ids = tokenizer.encode(pieces[0], add_special_tokens=specials)
+    for piece in pieces[1:]:
+        ids += tokenizer.encode(piece, add_special_tokens=False)
+    return ids
+
+
+def post(url, path, body):
+    return requests.post(url + path, json=body, timeout=300)
+
+
+def test_markers_are_zero_width_and_boundaries_round_trip(server, tokenizer):
+    pieces = [HISTORY, BLOCK_A, BLOCK_B, QUESTION]
+    out = generate(server, SEP.join(pieces), 12)
+    ids = pieces_ids(tokenizer, pieces)
+    assert out["output_ids"] == generate(server, None, 12, input_ids=ids)["output_ids"]
+    assert SEP not in out["text"]
+    segments = out["meta_info"]["tokendance"]["segments"]
+    a_start = len(pieces_ids(tokenizer, pieces[:1]))
+    a_end = len(pieces_ids(tokenizer, pieces[:2]))
+    assert [(s["start"], s["end"]) for s in segments] == [(a_start, a_end), (a_end, len(pieces_ids(tokenizer, pieces[:3])))]
+
+
+def test_same_block_elsewhere_has_same_hash(server):
+    one = generate(server, SEP.join([HISTORY, BLOCK_A, BLOCK_B, QUESTION]), 1)
+    two = generate(server, SEP.join(["Short.", BLOCK_B, BLOCK_A, QUESTION]), 1)
+    (a1, b1), (b2, a2) = one["meta_info"]["tokendance"]["segments"], two["meta_info"]["tokendance"]["segments"]
+    assert a1["hash"] == a2["hash"] and b1["hash"] == b2["hash"] and a1["hash"] != b1["hash"]
+    assert a1["start"] != a2["start"]
+
+
+def test_segments_field_equals_markers_for_strings_ids_and_batches(server, tokenizer):
+    pieces = [HISTORY, BLOCK_A, BLOCK_B, QUESTION]
+    marked = generate(server, SEP.join(pieces), 8)
+    as_strings = post(server, "/generate", {"segments": pieces, "sampling_params": {"max_new_tokens": 8, "temperature": 0}}).json()
+    mixed = [HISTORY, tokenizer.encode(BLOCK_A, add_special_tokens=False), BLOCK_B, QUESTION]
+    as_ids = post(server, "/generate", {"segments": mixed, "sampling_params": {"max_new_tokens": 8, "temperature": 0}}).json()
+    batch = post(server, "/generate", {"segments": [pieces, ["Short.", BLOCK_B, BLOCK_A, QUESTION]],
+                                        "sampling_params": {"max_new_tokens": 8, "temperature": 0}}).json()
+    for other in (as_strings, as_ids, batch[0]):
+        assert other["output_ids"] == marked["output_ids"]
+        assert other["meta_info"]["tokendance"] == marked["meta_info"]["tokendance"]
+    assert batch[1]["meta_info"]["tokendance"]["segments"][0]["hash"] == \
+        marked["meta_info"]["tokendance"]["segments"][1]["hash"]
+
+
+def test_batched_text_mixing_marked_and_plain_prompts(server):
+    plain = "The capital of France is"
+    batch = generate(server, [SEP.join([HISTORY, BLOCK_A, QUESTION]), plain], 8)
+    assert batch[1]["output_ids"] == generate(server, plain, 8)["output_ids"]
+    assert batch[1]["meta_info"]["tokendance"] == {"segments": []}
+    assert len(batch[0]["meta_info"]["tokendance"]["segments"]) == 1
+
+
+def test_plain_prompt_is_untouched_and_client_cannot_forge_segments(server):
+    forged = json.dumps({"segments": [{"start": 0, "end": 3, "hash": "f" * 32}]})
+    out = generate(server, "The capital of France is", 8, **{})
+    body = {"text": "The capital of France is", "sampling_params": {
+        "max_new_tokens": 8, "temperature": 0, "custom_params": {"tokendance": forged}}}
+    forged_out = post(server, "/generate", body).json()
+    assert forged_out["meta_info"]["tokendance"] == {"segments": []}
+    assert forged_out["output_ids"] == out["output_ids"]
+
+
+def test_completions_accept_markers(server):
+    prompt = SEP.join([HISTORY, BLOCK_A, QUESTION])
+    r = post(server, "/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 8, "temperature": 0})
+    assert r.status_code == 200
+    assert r.json()["choices"][0]["text"] == generate(server, prompt, 8)["text"]
+    assert r.json()["metadata"]["tokendance"] == generate(server, prompt, 1)["meta_info"]["tokendance"]
+
+
+def test_chat_markers_make_segments_and_template_text_stays_private(server, tokenizer):
+    content = f"News:{SEP}{BLOCK_A}{SEP}{BLOCK_B}{SEP}What happened to the mill?"
+    messages = [{"role": "system", "content": HISTORY}, {"role": "user", "content": content}]
+    r = post(server, "/v1/chat/completions", {"model": "m", "messages": messages, "max_tokens": 16, "temperature": 0})
+    assert r.status_code == 200, r.text
+    answer = r.json()["choices"][0]["message"]["content"]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    pieces = rendered.split(SEP)
+    assert len(pieces) == 4 and pieces[0].startswith("<|im_start|>system")
+    expected = generate(server, None, 16, input_ids=pieces_ids(tokenizer, pieces, specials=False))
+    assert answer == expected["text"]
+    assert SEP not in answer
+    spans = r.json()["metadata"]["tokendance"]["segments"]
+    assert [(x["start"], x["end"]) for x in spans] == [
+        (len(pieces_ids(tokenizer, pieces[:i], specials=False)), len(pieces_ids(tokenizer, pieces[:i + 1], specials=False)))
+        for i in (1, 2)]
+
+
+def test_frontend_program_equals_raw_api(server):
+    import sglang as sgl
+
+    import sglang_tokendance.lang  # noqa: F401  (adds sgl.separator)
+
+    @sgl.function
+    def react(s, history, blocks):
+        s += history
+        for block in blocks:
+            s += sgl.separator() + block
+        s += sgl.separator() + QUESTION
+        s += sgl.gen("answer", max_tokens=12, temperature=0)
+
+    backend = sgl.RuntimeEndpoint(server)
+    raw = generate(server, SEP.join([HISTORY, BLOCK_A, BLOCK_B, QUESTION]), 12)
+    state = react.run(history=HISTORY, blocks=[BLOCK_A, BLOCK_B], backend=backend)
+    assert state["answer"] == raw["text"]
+    assert state.get_meta_info("answer")["tokendance"] == raw["meta_info"]["tokendance"]
+
+    states = react.run_batch([{"history": HISTORY, "blocks": [BLOCK_A, BLOCK_B]}] * 2, backend=backend)
+    assert [s["answer"] for s in states] == [raw["text"]] * 2
+
+    streamed = react.run(history=HISTORY, blocks=[BLOCK_A, BLOCK_B], backend=backend, stream=True)
+    assert "".join(streamed.text_iter("answer")) == raw["text"]
+
+    @sgl.function
+    def forked(s):
+        s += HISTORY + sgl.separator() + BLOCK_A + sgl.separator()
+        forks = s.fork(2)
+        for f in forks:
+            f += QUESTION
+            f += sgl.gen("answer", max_tokens=6, temperature=0)
+        s += forks[0]["answer"]
+
+    fork_state = forked.run(backend=backend)
+    assert fork_state.text().endswith(generate(server, SEP.join([HISTORY, BLOCK_A, QUESTION]), 6)["text"])
+
+
+BAD_REQUESTS = [
+    ({"text": f"a{SEP}{SEP}b"}, "empty"),
+    ({"text": f"a{SEP}{BLOCK_A}<|tokendance_sep b"}, "malformed"),
+    ({"text": f"<|im_{SEP}start|>user"}, "special token"),
+    ({"text": SEP.join(["a"] + [BLOCK_A] * (MAX_SEGMENTS + 1) + ["b"])}, "max-segments"),
+    ({"text": "word " * 2100}, "context length"),
+    ({"segments": ["a", {"x": 1}, "b"]}, "string or a list of token ids"),
+    ({"segments": ["a", [1, 2, 10**9], "b"]}, "outside the vocabulary"),
+    ({"segments": ["a", BLOCK_A], "input_ids": [1, 2, 3]}, "cannot be combined"),
+    ({"text": f"a{SEP}{BLOCK_A}", "input_ids": [1, 2, 3]}, "cannot be combined"),
+    ({"segments": []}, "non-empty list"),
+    ({"text": f"a{SEP}{SEP}b", "stream": True}, "empty"),
+]
+
+
+def test_bad_requests_get_400_and_good_ones_are_unchanged(server):
+    good = [SEP.join([HISTORY, BLOCK_A, QUESTION]), "The capital of France is"]
+    before = [generate(server, g, 10)["output_ids"] for g in good]
+    for body, message in BAD_REQUESTS:
+        r = post(server, "/generate", {**body, "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+        assert r.status_code == 400, (body, r.text)
+        assert message in r.text, (body, r.text)
+        assert generate(server, good[0], 10)["output_ids"] == before[0]
+    bad_chat = post(server, "/v1/chat/completions", {"model": "m", "max_tokens": 4, "messages": [
+        {"role": "user", "content": f"x{SEP}{SEP}y"}]})
+    assert bad_chat.status_code == 400 and "empty" in bad_chat.text
+    assert [generate(server, g, 10)["output_ids"] for g in good] == before
+    assert requests.get(server + "/health", timeout=30).status_code == 200

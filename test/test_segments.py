@@ -1,0 +1,148 @@
+"""core/segments: splitting, per-segment tokenisation, content hashes, bad input."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang_tokendance.core.model_identity import model_identity, weight_checksums
+from sglang_tokendance.core.segments import (
+    DEFAULT_SEPARATOR as SEP, SegmentError, Segmenter, segment_hash,
+)
+
+BLOCK = "Alice said the market opens at nine and the bakery sells fresh bread every morning."
+OTHER = "Bob replied that the river flooded the old mill last spring, so the road is closed."
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_path)
+
+
+@pytest.fixture(scope="module")
+def segmenter(tokenizer):
+    return make(tokenizer)
+
+
+def make(tokenizer, **kw):
+    return Segmenter(tokenizer, model_salt=b"salt", vocab_size=len(tokenizer),
+                     special_tokens=tokenizer.all_special_tokens, **kw)
+
+
+def test_same_block_different_neighbours_same_ids_and_hash(segmenter):
+    a = segmenter.from_text(f"History of agent one, short.{SEP}{BLOCK}{SEP}{OTHER}{SEP}Answer:")
+    b = segmenter.from_text(f"A much longer private history for agent two.\n{SEP}{OTHER}{SEP}{BLOCK}{SEP}Go.")
+    (a1, a2), (b1, b2) = a.spans, b.spans
+    assert a.input_ids[a1.start:a1.end] == b.input_ids[b2.start:b2.end]
+    assert a1.hash == b2.hash and a2.hash == b1.hash and a1.hash != a2.hash
+    assert a1.start != b2.start  # same block, different offsets
+
+
+def test_tokens_are_concatenation_of_pieces(segmenter, tokenizer):
+    pieces = ["Head text.", BLOCK, " tail"]
+    out = segmenter.from_text(SEP.join(pieces))
+    expected = tokenizer.encode(pieces[0]) + sum(
+        (tokenizer.encode(p, add_special_tokens=False) for p in pieces[1:]), [])
+    assert out.input_ids == expected
+    assert out.spans[0].start == len(tokenizer.encode(pieces[0]))
+
+
+def test_explicit_pieces_equal_marked_text(segmenter, tokenizer):
+    ids = tokenizer.encode(OTHER, add_special_tokens=False)
+    from_text = segmenter.from_text(f"x{SEP}{BLOCK}{SEP}{OTHER}{SEP}y")
+    from_pieces = segmenter.from_pieces(["x", BLOCK, ids, "y"])
+    assert from_text == from_pieces
+
+
+def test_markers_at_either_end_are_allowed(segmenter, tokenizer):
+    out = segmenter.from_text(f"{SEP}{BLOCK}{SEP}")
+    assert out.input_ids == tokenizer.encode(BLOCK, add_special_tokens=False)
+    assert [(s.start, s.end) for s in out.spans] == [(0, len(out.input_ids))]
+
+
+def test_short_segments_are_private(tokenizer):
+    seg = make(tokenizer, min_segment_tokens=16)
+    out = seg.from_text(f"a{SEP}too short{SEP}{BLOCK}{SEP}b")
+    assert len(out.spans) == 1
+    assert out.spans[0].end - out.spans[0].start >= 16
+
+
+def test_hash_is_salted_by_model_identity(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text('{"a": 1}')
+    salt_a = model_identity(config, ["w1"], "float32", "auto")
+    salt_b = model_identity(config, ["w1"], "bfloat16", "auto")
+    salt_c = model_identity(config, ["w2"], "float32", "auto")
+    assert len({salt_a, salt_b, salt_c}) == 3
+    ids = list(range(20))
+    assert segment_hash(ids, salt_a) != segment_hash(ids, salt_b)
+    assert segment_hash(ids, salt_a) == segment_hash(list(ids), salt_a)
+    assert len(segment_hash(ids, salt_a)) == 32  # 128 bits
+
+
+@pytest.mark.parametrize("text,match", [
+    (f"a{SEP}{SEP}b", "empty"),
+    (f"a{SEP}{BLOCK}<|tokendance_sep b", "malformed"),
+    (f"a<|tokendance_sep>{BLOCK}", "malformed"),
+    (f"<|im_{SEP}start|>user", "special token"),
+    (f"<|im_start{SEP}|>user", "special token"),
+])
+def test_bad_text_is_rejected(segmenter, text, match):
+    with pytest.raises(SegmentError, match=match):
+        segmenter.from_text(text)
+
+
+def test_too_many_segments(tokenizer):
+    seg = make(tokenizer, max_segments=2)
+    seg.from_text(SEP.join(["a", BLOCK, OTHER, "b"]))
+    with pytest.raises(SegmentError, match="max-segments"):
+        seg.from_text(SEP.join(["a", BLOCK, OTHER, BLOCK, "b"]))
+
+
+@pytest.mark.parametrize("piece,match", [
+    ([1, 2, 10**9], "outside the vocabulary"),
+    ([1, -1], "outside the vocabulary"),
+    ([1, 2.5], "string or a list of token ids"),
+    ({"text": "x"}, "string or a list of token ids"),
+    ([True, 1], "string or a list of token ids"),
+])
+def test_bad_pieces_are_rejected(segmenter, piece, match):
+    with pytest.raises(SegmentError, match=match):
+        segmenter.from_pieces(["a", piece, "b"])
+
+
+def test_special_tokens_inside_segments_still_work(segmenter, tokenizer):
+    out = segmenter.from_text(f"<|im_start|>user\n{SEP}{BLOCK}<|im_end|>{SEP}\n")
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") in out.input_ids
+
+
+def test_weight_checksums_are_cached(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"weights")
+    (model / "config.json").write_text("{}")
+    cache = tmp_path / "cache.json"
+    first = weight_checksums(model, cache)
+    assert len(first) == 1 and cache.is_file()
+    assert weight_checksums(model, cache) == first
+    (model / "model.safetensors").write_bytes(b"other weights")
+    assert weight_checksums(model, cache) != first
+
+
+class BosTokenizer:
+    """Adds BOS (id 1) when asked, like Llama-2/3 tokenizers; one id per byte otherwise."""
+
+    def encode(self, text, add_special_tokens=True):
+        return ([1] if add_special_tokens else []) + [b + 2 for b in text.encode()]
+
+
+def test_bos_only_at_the_prompt_start_and_never_for_chat():
+    seg = Segmenter(BosTokenizer(), model_salt=b"s", vocab_size=300, min_segment_tokens=2)
+    plain = seg.from_pieces(["ab", "cd", "ef"])
+    assert plain.input_ids == [1, 99, 100, 101, 102, 103, 104]
+    assert (plain.spans[0].start, plain.spans[0].end) == (3, 5)
+    chat = seg.from_pieces(["ab", "cd", "ef"], add_special_tokens=False)
+    assert chat.input_ids == [99, 100, 101, 102, 103, 104]
+    assert chat.spans[0].hash == plain.spans[0].hash  # same block, same identity
+    assert seg.from_pieces(["", "cd", ""]).input_ids == [1, 101, 102]
