@@ -1,0 +1,1 @@
+"""Workload generators and benchmark code behind the upstream-style CLIs."""

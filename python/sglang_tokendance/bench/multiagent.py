@@ -1,0 +1,189 @@
+"""Multi-agent rounds against SGLang servers: the code behind `python -m
+sglang_tokendance.bench_multiagent`.
+
+A session is one simulation (bench/workloads.py). Each of its rounds sends the N agents'
+requests at once; the next round's shared blocks are this round's real outputs. Sessions
+arrive at `--request-rate` per second. Per request we record TTFT, latency and token counts
+(from a streamed /generate), per round its latency split into prefill (until every agent has
+its first token) and decode, and the server's KV usage over time from /v1/loads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import aiohttp
+
+from sglang_tokendance.bench.workloads import Simulation, WorkloadConfig, make_simulation
+
+CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=3600)
+
+
+@dataclass(frozen=True)
+class Mode:
+    """How one compared system is started and spoken to."""
+
+    name: str
+    stock: bool  # stock sglang.launch_server (TokenDance plugin inert) or ours
+    server_args: tuple[str, ...] = ()
+    marked: bool = False  # send separators (only a TokenDance server understands them)
+
+
+MODES: dict[str, Mode] = {
+    "radix": Mode("radix", stock=True),
+    "no-cache": Mode("no-cache", stock=True, server_args=("--disable-radix-cache",)),
+    "tokendance": Mode("tokendance", stock=False, marked=True),
+}
+
+
+@dataclass
+class RequestRecord:
+    session: int
+    round: int
+    agent: int
+    ttft: float
+    latency: float
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    reused_tokens: int
+    text: str = field(repr=False)
+
+
+@dataclass
+class RoundRecord:
+    session: int
+    round: int
+    num_agents: int
+    start: float
+    latency: float
+    prefill: float
+    decode: float
+
+
+@dataclass
+class RunResult:
+    mode: str
+    num_agents: int
+    request_rate: float
+    requests: list[RequestRecord] = field(default_factory=list)
+    rounds: list[RoundRecord] = field(default_factory=list)
+    kv_usage: list[tuple[float, int]] = field(default_factory=list)  # (seconds, used tokens)
+    wall: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        def mean(xs):
+            xs = list(xs)
+            return sum(xs) / len(xs) if xs else float("nan")
+
+        by_round: dict[int, list[RoundRecord]] = {}
+        for r in self.rounds:
+            by_round.setdefault(r.round, []).append(r)
+        return {
+            "mode": self.mode,
+            "num_agents": self.num_agents,
+            "request_rate": self.request_rate,
+            "num_requests": len(self.requests),
+            "wall_s": self.wall,
+            "mean_round_latency_s": mean(r.latency for r in self.rounds),
+            "round_latency_by_round_s": {k: mean(r.latency for r in v) for k, v in sorted(by_round.items())},
+            "mean_round_prefill_s": mean(r.prefill for r in self.rounds),
+            "mean_round_decode_s": mean(r.decode for r in self.rounds),
+            "mean_ttft_s": mean(q.ttft for q in self.requests),
+            "mean_latency_s": mean(q.latency for q in self.requests),
+            "prompt_tokens": sum(q.prompt_tokens for q in self.requests),
+            "cached_tokens": sum(q.cached_tokens for q in self.requests),
+            "reused_tokens": sum(q.reused_tokens for q in self.requests),
+            "completion_tokens": sum(q.completion_tokens for q in self.requests),
+            "peak_kv_used_tokens": max((u for _, u in self.kv_usage), default=0),
+        }
+
+
+async def stream_generate(http: aiohttp.ClientSession, url: str, body: dict) -> tuple[float, float, dict]:
+    """POST a streamed /generate; (ttft, latency, last chunk). Raises on HTTP errors."""
+    start = time.perf_counter()
+    ttft, last = None, None
+    async with http.post(url + "/generate", json={**body, "stream": True}) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"/generate answered {resp.status}: {await resp.text()}")
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data:"):])
+            if "error" in chunk:
+                raise RuntimeError(f"/generate stream error: {chunk['error']}")
+            if ttft is None:
+                ttft = time.perf_counter() - start
+            last = chunk
+    if last is None:
+        raise RuntimeError("/generate streamed no output")
+    return ttft, time.perf_counter() - start, last
+
+
+def request_body(sim: Simulation, mode: Mode, agent: int, round_index: int, blocks: list[str]) -> dict:
+    text = (sim.prompt_text if mode.marked else sim.plain_prompt)(agent, round_index, blocks)
+    return {
+        "text": text,
+        "sampling_params": {"max_new_tokens": sim.config.max_new_tokens, "temperature": 0},
+    }
+
+
+async def run_session(http, url: str, mode: Mode, sim: Simulation, session: int, result: RunResult,
+                      progress) -> None:
+    blocks = list(sim.seed_messages)
+    for round_index in range(sim.config.num_rounds):
+        start = time.perf_counter()
+        bodies = [request_body(sim, mode, a, round_index, blocks) for a in range(len(sim.agents))]
+        outs = await asyncio.gather(*(stream_generate(http, url, b) for b in bodies))
+        latency = time.perf_counter() - start
+        prefill = max(ttft for ttft, _, _ in outs)
+        result.rounds.append(RoundRecord(session, round_index, len(sim.agents), start, latency,
+                                         prefill, latency - prefill))
+        for agent, (ttft, req_latency, last) in enumerate(outs):
+            meta = last["meta_info"]
+            reused = (meta.get("tokendance") or {}).get("reused_tokens", 0)
+            result.requests.append(RequestRecord(
+                session, round_index, agent, ttft, req_latency, meta["prompt_tokens"],
+                meta.get("cached_tokens", 0), meta["completion_tokens"], reused, last["text"],
+            ))
+        blocks = [sim.format_block(a, out[2]["text"]) for a, out in enumerate(outs)]
+        progress.update(1)
+
+
+async def poll_kv_usage(http, url: str, t0: float, samples: list, interval: float = 0.25) -> None:
+    while True:
+        try:
+            async with http.get(url + "/v1/loads?include=core") as resp:
+                loads = (await resp.json())["loads"]
+            samples.append((time.perf_counter() - t0, sum(x["num_used_tokens"] for x in loads)))
+        except (aiohttp.ClientError, KeyError, ValueError):
+            pass
+        await asyncio.sleep(interval)
+
+
+async def run_load(url: str, mode: Mode, config: WorkloadConfig, num_sessions: int,
+                   request_rate: float, progress) -> RunResult:
+    """`num_sessions` simulations (seeds seed, seed+1, ...) arriving at `request_rate`/s."""
+    result = RunResult(mode.name, config.num_agents, request_rate)
+    arrivals = random.Random(config.seed)
+    async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http:
+        t0 = time.perf_counter()
+        poller = asyncio.create_task(poll_kv_usage(http, url, t0, result.kv_usage))
+        tasks = []
+        for s in range(num_sessions):
+            sim = make_simulation(WorkloadConfig(**{**asdict(config), "seed": config.seed + s}))
+            tasks.append(asyncio.create_task(run_session(http, url, mode, sim, s, result, progress)))
+            if request_rate != float("inf") and s + 1 < num_sessions:
+                await asyncio.sleep(arrivals.expovariate(request_rate))
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            poller.cancel()
+        result.wall = time.perf_counter() - t0
+    return result

@@ -1,0 +1,145 @@
+"""The multi-agent benchmark driver: round structure against a fake server, and one real run."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import pytest
+from aiohttp import web
+
+from sglang_tokendance.bench.multiagent import MODES, run_load
+from sglang_tokendance.bench.workloads import PRESETS, WorkloadConfig, make_simulation
+from sglang_tokendance.core.segments import DEFAULT_SEPARATOR as SEP
+
+
+class FakeServer:
+    """Streams '<agent line> said <n>' for each prompt and records every body it got."""
+
+    def __init__(self):
+        self.bodies: list[dict] = []
+        self.loop = asyncio.new_event_loop()
+        self.app = web.Application()
+        self.app.router.add_post("/generate", self.generate)
+        self.app.router.add_get("/v1/loads", self.loads)
+        started = threading.Event()
+        threading.Thread(target=self._serve, args=(started,), daemon=True).start()
+        started.wait(10)
+
+    def _serve(self, started):
+        asyncio.set_event_loop(self.loop)
+        runner = web.AppRunner(self.app)
+        self.loop.run_until_complete(runner.setup())
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        self.loop.run_until_complete(site.start())
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        started.set()
+        self.loop.run_forever()
+
+    async def generate(self, request):
+        body = await request.json()
+        self.bodies.append(body)
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        text = f"reply {len(self.bodies)}"
+        for i, part in enumerate([text[:3], text]):
+            meta = {"prompt_tokens": len(body["text"]), "cached_tokens": 1, "completion_tokens": i + 1}
+            await resp.write(f"data: {json.dumps({'text': part, 'meta_info': meta})}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def loads(self, request):
+        return web.json_response({"loads": [{"num_used_tokens": 7}]})
+
+
+class Progress:
+    def __init__(self):
+        self.n = 0
+
+    def update(self, k):
+        self.n += k
+
+
+@pytest.fixture(scope="module")
+def fake():
+    return FakeServer()
+
+
+@pytest.mark.parametrize("mode", ["radix", "tokendance"])
+def test_rounds_feed_outputs_forward(fake, mode):
+    fake.bodies.clear()
+    config = WorkloadConfig(**{**PRESETS["generative_agents"].__dict__, "num_agents": 3, "num_rounds": 3})
+    progress = Progress()
+    result = asyncio.run(run_load(fake.url, MODES[mode], config, 2, float("inf"), progress))
+    assert progress.n == 6 and len(result.rounds) == 6 and len(result.requests) == 18
+    assert len(fake.bodies) == 18
+    assert all((SEP in b["text"]) == (mode == "tokendance") for b in fake.bodies)
+    assert all(b["stream"] and b["sampling_params"]["temperature"] == 0 for b in fake.bodies)
+    sim = make_simulation(config)
+    # Round 0 of session 0 shares the seed messages; later rounds share real outputs.
+    session0 = [b for b in fake.bodies if sim.agents[0].history.split("\n")[0] in b["text"]]
+    assert sim.seed_messages[1].strip() in session0[0]["text"]
+    replies = [r.text for r in result.requests if r.session == 0 and r.round == 0]
+    later = [b for b in session0[1:] if "Round 2" in b["text"]]
+    assert later and all(reply in later[0]["text"] for reply in replies)
+    for record in result.requests:
+        assert 0 < record.ttft <= record.latency and record.completion_tokens == 2
+    for r in result.rounds:
+        assert r.prefill <= r.latency and r.decode == pytest.approx(r.latency - r.prefill)
+    assert result.summary()["peak_kv_used_tokens"] == 7
+
+
+def test_error_answers_fail_loudly(fake):
+    from sglang_tokendance.bench import multiagent
+
+    async def go():
+        import aiohttp
+
+        async with aiohttp.ClientSession() as http:
+            await multiagent.stream_generate(http, fake.url + "/nowhere", {"text": "x"})
+
+    with pytest.raises(RuntimeError, match="404"):
+        asyncio.run(go())
+
+
+@pytest.mark.slow
+def test_cli_compares_stock_radix_and_tokendance(tmp_path, smollm2_path):
+    from sglang_tokendance import bench_multiagent
+
+    out = tmp_path / "ma.jsonl"
+    bench_multiagent.main(["--modes", "radix,tokendance", "--num-agents", "2", "--num-rounds", "2",
+                           "--max-new-tokens", "4", "--output-file", str(out)])
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    summaries = {r["mode"]: r for r in records if r["type"] == "summary"}
+    assert set(summaries) == {"radix", "tokendance"}
+    assert summaries["radix"]["round_speedup_vs_radix"] == pytest.approx(1.0)
+    assert summaries["tokendance"]["num_requests"] == 4
+    assert {r["type"] for r in records} >= {"meta", "request", "round", "kv", "idle"}
+    md = out.with_suffix(".md").read_text()
+    assert "python -m" in md and "--num-agents 2" in md
+    for png in ("ma_round_latency.png", "ma_kv_usage.png"):
+        assert (tmp_path / png).stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_capacity_mode_finds_max_agents_under_slo(tmp_path, smollm2_path):
+    from sglang_tokendance import bench_multiagent
+
+    out = tmp_path / "cap.jsonl"
+    bench_multiagent.main(["--capacity", "--modes", "radix", "--capacity-rates", "1,4", "--max-agents", "3",
+                           "--num-rounds", "1", "--max-new-tokens", "2", "--slo-ms", "600000",
+                           "--max-total-tokens", "8192", "--output-file", str(out)])
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    capacity = [r for r in records if r["type"] == "capacity"]
+    # A 10-minute SLO holds for every probe, so the search reaches --max-agents at each rate.
+    assert [(r["rate"], r["max_agents"]) for r in capacity] == [(1.0, 3), (4.0, 3)]
+    probes = [r for r in records if r["type"] == "capacity_probe"]
+    assert [p["num_agents"] for p in probes] == [1, 2, 3, 1, 2, 3]
+    assert meta_of(records)["max_total_tokens"] == 8192
+    for png in ("cap_capacity_latency.png", "cap_capacity_agents.png"):
+        assert (tmp_path / png).stat().st_size > 1000
+
+
+def meta_of(records):
+    return next(r for r in records if r["type"] == "meta")
