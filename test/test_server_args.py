@@ -59,6 +59,15 @@ def test_cpu_defaults_fill_only_what_is_not_given(smollm2_path):
     assert argv[argv.index("--model-path") + 1] == str(smollm2_path)
 
 
+def test_forest_is_the_default_radix_cache_unless_told_otherwise(smollm2_path):
+    argv = with_defaults([], on_cpu=False, forest=True)
+    assert argv[argv.index("--radix-cache-backend") + 1] == "tokendance"
+    assert not given(with_defaults([], on_cpu=False, forest=False), "--radix-cache-backend")
+    assert not given(with_defaults(["--disable-radix-cache"], on_cpu=False, forest=True), "--radix-cache-backend")
+    mine = with_defaults(["--radix-cache-backend=other"], on_cpu=False, forest=True)
+    assert mine.count("--radix-cache-backend=other") == 1 and "--radix-cache-backend" not in mine
+
+
 def test_no_cpu_defaults_on_cuda_path(smollm2_path):
     argv = with_defaults(["--model-path", "/some/model"], on_cpu=False)
     assert argv == ["--model-path", "/some/model"]

@@ -12,7 +12,7 @@ from typing import Any
 
 from sglang_tokendance import cpu
 from sglang_tokendance.model_store import prepared_default_model
-from sglang_tokendance.server_args import TokenDanceArgs, tokendance_info
+from sglang_tokendance.server_args import FOREST_BACKEND, TokenDanceArgs, tokendance_info
 
 ON_CPU = cpu.prepare_process()
 
@@ -28,6 +28,8 @@ class Engine(SGLangEngine):
         if ON_CPU:
             for name, value in cpu.CPU_SERVER_DEFAULTS.items():
                 kwargs.setdefault(name, value)
+        if tokendance_args.kv_enabled and not kwargs.get("disable_radix_cache"):
+            kwargs.setdefault("radix_cache_backend", FOREST_BACKEND)
         self.tokendance_args = tokendance_args
         super().__init__(**kwargs)
 

@@ -12,7 +12,7 @@ import os
 import sys
 
 from sglang_tokendance import cpu
-from sglang_tokendance.server_args import TokenDanceArgs, TokenDanceArgsError
+from sglang_tokendance.server_args import FOREST_BACKEND, TokenDanceArgs, TokenDanceArgsError
 
 PROG = "python -m sglang_tokendance.launch_server"
 
@@ -45,9 +45,12 @@ def given(argv: list[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in argv)
 
 
-def with_defaults(argv: list[str], on_cpu: bool) -> list[str]:
-    """argv plus our defaults for every flag it does not set."""
+def with_defaults(argv: list[str], on_cpu: bool, forest: bool = False) -> list[str]:
+    """argv plus our defaults for every flag it does not set; `forest` makes the segment-hash
+    forest the radix cache (unless the radix cache is off or another backend is chosen)."""
     extra: list[str] = []
+    if forest and not given(argv, "--radix-cache-backend") and not given(argv, "--disable-radix-cache"):
+        extra += ["--radix-cache-backend", FOREST_BACKEND]
     if not given(argv, "--model-path") and not given(argv, "--model"):
         from sglang_tokendance.model_store import prepared_default_model
 
@@ -78,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     td_args.export_to_env()
     on_cpu = cpu.prepare_process()
     try:
-        sglang_argv = with_defaults(sglang_argv, on_cpu)
+        sglang_argv = with_defaults(sglang_argv, on_cpu, forest=td_args.kv_enabled)
     except RuntimeError as e:
         sys.exit(f"{PROG}: error: {e}")
 

@@ -18,6 +18,7 @@ from typing import Any
 from sglang_tokendance.core.segments import DEFAULT_SEPARATOR
 
 ENV_VAR = "SGLANG_TOKENDANCE_CONFIG"
+FOREST_BACKEND = "tokendance"  # the radix-cache backend name of srt/forest.py
 
 
 class TokenDanceArgsError(ValueError):

@@ -20,6 +20,7 @@ def register() -> None:
     from sglang_tokendance.srt import prompt_interface
 
     prompt_interface.register(args)  # the interface stays on under --disable-tokendance
+    _register_forest()
 
     def add_tokendance_info(result: dict[str, Any], *unused, **unused_kw) -> dict[str, Any]:
         """/server_info tells clients (e.g. sgl.separator()) that TokenDance is serving."""
@@ -27,5 +28,20 @@ def register() -> None:
 
     HookRegistry.register(
         "sglang.srt.utils.common.build_server_info", add_tokendance_info, HookType.AFTER
+    )
+
+
+def _register_forest() -> None:
+    """The "tokendance" radix-cache backend; our launcher selects it unless told otherwise."""
+    from sglang.srt.mem_cache.registry import register_radix_cache_backend, registered_radix_cache_backends
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from sglang_tokendance.server_args import FOREST_BACKEND
+    from sglang_tokendance.srt import forest
+
+    if FOREST_BACKEND not in registered_radix_cache_backends():
+        register_radix_cache_backend(FOREST_BACKEND, forest.build_forest)
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler.get_internal_state", forest.add_forest_stats, HookType.AFTER
     )
 

@@ -20,7 +20,7 @@ import json
 from typing import Any
 
 from sglang_tokendance.core.model_identity import model_identity, weight_checksums
-from sglang_tokendance.core.segments import Piece, SegmentError, Segmenter, SegmentedPrompt
+from sglang_tokendance.core.segments import Piece, SegmentError, Segmenter, SegmentedPrompt, SegmentSpan
 from sglang_tokendance.model_store import tokendance_home
 from sglang_tokendance.server_args import TokenDanceArgs
 
@@ -178,8 +178,17 @@ def _carry(obj, results: list[SegmentedPrompt], batched: bool) -> None:
 def carried_info(obj) -> dict:
     """meta_info["tokendance"] of one request (empty segments for plain prompts)."""
     params = obj.sampling_params
-    custom = params.get("custom_params") if isinstance(params, dict) else None
-    raw = custom.get(CARRIER_KEY) if isinstance(custom, dict) else None
+    return _parse_carrier(params.get("custom_params") if isinstance(params, dict) else None)
+
+
+def carried_spans(custom_params: dict | None) -> list[SegmentSpan]:
+    """The scheduler's end of the route: a request's shared segments, from its
+    `SamplingParams.custom_params`."""
+    return [SegmentSpan(**s) for s in _parse_carrier(custom_params)["segments"]]
+
+
+def _parse_carrier(custom_params: dict | None) -> dict:
+    raw = custom_params.get(CARRIER_KEY) if isinstance(custom_params, dict) else None
     return json.loads(raw) if raw else {"segments": []}
 
 

@@ -1,0 +1,101 @@
+"""Bookkeeping of cached segments: content hash -> the KV slots that hold the segment.
+
+The segment-hash forest keeps one entry per content hash, whatever context and offset the
+segment was first computed at: the first copy is kept and later ones are only counted.
+Entries are pinned by lock refs while requests use them and otherwise evictable, in one LRU
+order with the radix tree's leaves (both read `time.monotonic()`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(eq=False)
+class SegmentEntry:
+    hash: str
+    slots: torch.Tensor  # one KV-pool slot per token, holding un-rotated K and V
+    last_access_time: float = field(default_factory=time.monotonic)
+    lock_ref: int = 0
+    hits: int = 0
+
+    def __len__(self) -> int:
+        return int(self.slots.numel())
+
+
+class SegmentTable:
+    def __init__(self) -> None:
+        self.entries: dict[str, SegmentEntry] = {}
+        self.inserted = 0
+        self.duplicates = 0
+        self.evicted = 0
+
+    def __contains__(self, segment_hash: str) -> bool:
+        return segment_hash in self.entries
+
+    def insert(self, segment_hash: str, slots: torch.Tensor) -> SegmentEntry:
+        """Add a new segment; the caller checks `in` first (a duplicate is only counted)."""
+        if segment_hash in self.entries:
+            raise KeyError(f"segment {segment_hash} is already cached")
+        entry = SegmentEntry(segment_hash, slots)
+        self.entries[segment_hash] = entry
+        self.inserted += 1
+        return entry
+
+    def count_duplicate(self, segment_hash: str) -> None:
+        self.duplicates += 1
+        self.entries[segment_hash].last_access_time = time.monotonic()
+
+    def lookup(self, segment_hash: str) -> SegmentEntry | None:
+        entry = self.entries.get(segment_hash)
+        if entry is not None:
+            entry.hits += 1
+            entry.last_access_time = time.monotonic()
+        return entry
+
+    def lock(self, entry: SegmentEntry) -> None:
+        entry.lock_ref += 1
+
+    def unlock(self, entry: SegmentEntry) -> None:
+        if entry.lock_ref <= 0:
+            raise RuntimeError(f"segment {entry.hash} unlocked more often than locked")
+        entry.lock_ref -= 1
+
+    def oldest_evictable(self) -> SegmentEntry | None:
+        unlocked = (e for e in self.entries.values() if e.lock_ref == 0)
+        return min(unlocked, key=lambda e: e.last_access_time, default=None)
+
+    def remove(self, entry: SegmentEntry) -> torch.Tensor:
+        """Drop an unlocked entry; returns its slots for the caller to free."""
+        if entry.lock_ref:
+            raise RuntimeError(f"segment {entry.hash} is in use and cannot be removed")
+        del self.entries[entry.hash]
+        self.evicted += 1
+        return entry.slots
+
+    def clear(self) -> list[torch.Tensor]:
+        slots = [e.slots for e in self.entries.values()]
+        self.entries.clear()
+        return slots
+
+    @property
+    def evictable_tokens(self) -> int:
+        return sum(len(e) for e in self.entries.values() if e.lock_ref == 0)
+
+    @property
+    def protected_tokens(self) -> int:
+        return sum(len(e) for e in self.entries.values() if e.lock_ref > 0)
+
+    def stats(self, bytes_per_token: int) -> dict:
+        tokens = sum(len(e) for e in self.entries.values())
+        return {
+            "segment_nodes": len(self.entries),
+            "segment_tokens": tokens,
+            "segment_bytes": tokens * bytes_per_token,
+            "segments_inserted": self.inserted,
+            "segment_duplicates": self.duplicates,
+            "segments_evicted": self.evicted,
+        }
