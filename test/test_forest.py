@@ -70,14 +70,15 @@ def test_private_prefixes_hit_like_stock_sglang(server, stock_prefix_results):
 
 def test_segments_are_cached_once_per_content(server):
     requests.post(server + "/flush_cache", timeout=60)
-    for history in HISTORIES:
-        generate(server, SEP.join([history, *BLOCKS, " Reply:"]), 2)
+    # One batch: both agents compute the blocks in the same prefill, each in its own context.
+    generate(server, [SEP.join([history, *BLOCKS, " Reply:"]) for history in HISTORIES], 2)
     stats = forest_stats(server)
     assert stats["segment_nodes"] == 3 and stats["segments_inserted"] == 3
     assert stats["segment_duplicates"] == 3  # the second agent's copies are only counted
     out = generate(server, SEP.join(["Short.", BLOCKS[2], BLOCKS[0], " Reply:"]), 2)
-    hashes = {s["hash"] for s in out["meta_info"]["tokendance"]["segments"]}
-    assert len(hashes) == 2 and forest_stats(server)["segment_nodes"] == 3
+    info = out["meta_info"]["tokendance"]
+    assert len({s["hash"] for s in info["segments"]}) == 2 and info["segment_hits"] == 2
+    assert forest_stats(server)["segment_nodes"] == 3
 
 
 def test_flush_frees_every_slot(server):
@@ -113,7 +114,7 @@ def test_segment_copy_stores_unrotated_k_and_same_v():
 
     import torch
 
-    from sglang_tokendance.core.rope import RopeSpec, rotate
+    from sglang_tokendance.core.rope import RopeSpec, rotate, unrotate
     from sglang_tokendance.srt.forest import SegmentForest
 
     spec = RopeSpec(head_dim=8, rotary_dim=8, base=10000.0)
@@ -130,7 +131,60 @@ def test_segment_copy_stores_unrotated_k_and_same_v():
                            get_value_buffer=v_buffers.__getitem__)
     fake = SimpleNamespace(rope=spec, token_to_kv_pool_allocator=SimpleNamespace(get_kvcache=lambda: pool))
     dst = torch.tensor([12, 13, 14, 15, 16])
-    SegmentForest._copy_unrotated(fake, src, dst, start=11)
+    SegmentForest._copy_kv(fake, src, dst, 11, unrotate)
     for layer in range(2):
         assert torch.allclose(k_buffers[layer][dst], raw_k[layer], atol=1e-5)
         assert torch.equal(v_buffers[layer][dst], values[layer])
+
+
+H_MIRA = "You are Mira, the baker of Oakvale. Yesterday you sold rye bread to the mayor."
+
+
+def generate_salted(url: str, text: str, salt: str, max_new_tokens: int = 16) -> dict:
+    """A cache_salt puts the request in its own radix namespace: no private-prefix hit, so
+    the segments can only come from the forest."""
+    body = {"text": text, "cache_salt": salt, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}}
+    r = requests.post(url + "/generate", json=body, timeout=300)
+    r.raise_for_status()
+    return r.json()
+
+
+def test_reuse_at_the_same_position_and_context_matches_full_prefill(server):
+    requests.post(server + "/flush_cache", timeout=60)
+    prompt = SEP.join([H_MIRA, BLOCKS[0], BLOCKS[1], " Mira says:"])
+    full = generate_salted(server, prompt, "a")
+    reused = generate_salted(server, prompt, "b")
+    assert reused["output_ids"] == full["output_ids"]
+    assert full["meta_info"]["tokendance"]["reused_tokens"] == 0
+    info = reused["meta_info"]["tokendance"]
+    seg_tokens = sum(s["end"] - s["start"] for s in info["segments"])
+    assert info["segment_hits"] == 2 and info["reused_tokens"] == seg_tokens
+    assert info["computed_tokens"] == reused["meta_info"]["prompt_tokens"] - seg_tokens
+    assert reused["meta_info"]["cached_tokens"] == 0
+
+
+def test_reuse_at_another_offset_runs_and_keeps_approximate_kv_out_of_the_tree(server):
+    requests.post(server + "/flush_cache", timeout=60)
+    generate(server, SEP.join([H_MIRA, BLOCKS[0], BLOCKS[1], " Mira says:"]), 2)
+    other = SEP.join(["You are Oskar.", BLOCKS[1], BLOCKS[0], " Oskar says:"])
+    out = generate(server, other, 8)
+    info = out["meta_info"]["tokendance"]
+    assert info["reused_tokens"] > 0 and info["segment_hits"] == 2
+    first_reused = info["segments"][0]["start"]
+    again = generate(server, other, 8)
+    # Only the exact part before the first reused token was published to the radix tree.
+    assert again["meta_info"]["cached_tokens"] <= first_reused
+    assert again["output_ids"] == out["output_ids"]
+
+
+def test_batch_mixing_reuse_and_plain_requests(server):
+    requests.post(server + "/flush_cache", timeout=60)
+    marked = SEP.join([H_MIRA, BLOCKS[2], BLOCKS[0], " Mira says:"])
+    generate(server, marked, 2)
+    plain = "The capital of France is"
+    alone = generate(server, plain, 8)["output_ids"]
+    body = {"text": [SEP.join(["You are Oskar.", BLOCKS[0], BLOCKS[2], " Oskar says:"]), plain],
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+    batch = requests.post(server + "/generate", json=body, timeout=300).json()
+    assert batch[0]["meta_info"]["tokendance"]["reused_tokens"] > 0
+    assert batch[1]["output_ids"] == alone

@@ -10,8 +10,14 @@ whatever context and offset the first copy came from: reuse at any position is t
 Segment slots count against the same KV budget and share one LRU eviction with the tree's
 leaves; `/flush_cache` (reset) drops them with the tree.
 
-Not yet here (the forest issue stays open for them): reusing the segments in a request's
-forward, output registration, and the metrics.
+Reuse (recompute ratio 0): after SGLang allocates a batch's slots (`restore_segments`, an
+AFTER hook on ScheduleBatch.prepare_for_extend), every cached segment a request holds after
+its radix prefix is rotated to the request's own positions and written into its own slots;
+the model forward then computes only the other tokens (srt/model.py), found by request id.
+A request's approximate KV never enters the tree: it publishes only the part before its first
+reused token, and inserts only segments computed before it.
+
+Not yet here (the forest issue stays open for them): output registration and the metrics.
 """
 
 from __future__ import annotations
@@ -19,20 +25,25 @@ from __future__ import annotations
 import logging
 
 import torch
+from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult
 from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 
-from sglang_tokendance.core.rope import RopeSpec, unrotate
+from sglang_tokendance.core.rope import RopeSpec, rotate, unrotate
 from sglang_tokendance.core.segment_table import SegmentTable
-from sglang_tokendance.srt.prompt_interface import carried_spans
+from sglang_tokendance.server_args import TokenDanceArgs
+from sglang_tokendance.srt.model import SUPPORTED_ARCHITECTURES, forward_fresh_tokens
+from sglang_tokendance.srt.prompt_interface import REUSE_INFO_KEY, carried_spans
 
 logger = logging.getLogger(__name__)
 
 class SegmentForest(RadixCache):
-    def __init__(self, params, rope: RopeSpec | None):
+    def __init__(self, params, rope: RopeSpec | None, reuse: bool):
         self.rope = rope
+        self.reuse = reuse and rope is not None
         self.segments = SegmentTable()
+        self.fresh_masks: dict[str, torch.Tensor] = {}  # rid -> extend tokens to compute
         super().__init__(params)
         if self.page_size != 1:
             raise ValueError(f"the tokendance radix cache needs --page-size 1, got {self.page_size}")
@@ -41,16 +52,18 @@ class SegmentForest(RadixCache):
 
     def reset(self) -> None:
         super().reset()
+        self.fresh_masks.clear()
         for slots in self.segments.clear():
             self.token_to_kv_pool_allocator.free(slots)
 
     def checkpoint(self, req, *, up_to: int) -> None:
-        super().checkpoint(req, up_to=up_to)
+        exact = min(up_to, _first_reused(req))  # reused KV is approximate: keep it out
+        super().checkpoint(req, up_to=exact)
         if self.rope is not None and not self.disable:
-            self.insert_segments(req, up_to)
+            self.insert_segments(req, exact)
 
     def insert_segments(self, req, up_to: int) -> None:
-        """Cache the request's shared segments whose KV is complete (end <= up_to)."""
+        """Cache the request's shared segments whose exact KV is complete (end <= up_to)."""
         done: set[int] = req.__dict__.setdefault("_tokendance_inserted", set())
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
         for span in carried_spans(req.sampling_params.custom_params):
@@ -63,15 +76,61 @@ class SegmentForest(RadixCache):
             slots = self.token_to_kv_pool_allocator.alloc(span.end - span.start)
             if slots is None:  # no free slots: a segment copy never evicts live prefixes
                 continue
-            self._copy_unrotated(row[span.start:span.end].to(torch.int64), slots, span.start)
+            self._copy_kv(row[span.start:span.end].to(torch.int64), slots, span.start, unrotate)
             self.segments.insert(span.hash, slots)
 
-    def _copy_unrotated(self, src: torch.Tensor, dst: torch.Tensor, start: int) -> None:
+    def restore_segments(self, batch) -> None:
+        """Write cached segments' KV into the slots of the batch's requests that hold them."""
+        for req in batch.reqs:
+            info = self._restore_one(req)
+            if info is not None:  # reaches meta_info["tokendance"] (srt/prompt_interface.py)
+                req.customized_info = {**(req.customized_info or {}), REUSE_INFO_KEY: [info]}
+
+    def _restore_one(self, req) -> dict | None:
+        spans = carried_spans(req.sampling_params.custom_params)
+        if not spans or not self.reuse:
+            return None
+        prefix, extend_end = req.prefix_len, req.extend_end
+        last_fresh = len(req.origin_input_ids) - 1  # the last prompt token is always computed
+        row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+        fresh = torch.ones(extend_end - prefix, dtype=torch.bool)
+        hits = misses = 0
+        for span in spans:
+            end = min(span.end, extend_end, last_fresh)
+            if span.start < prefix or end <= span.start:
+                continue
+            entry = self.segments.lookup(span.hash)
+            if entry is None:
+                misses += 1
+                continue
+            hits += 1
+            self._copy_kv(entry.slots[: end - span.start], row[span.start:end].to(torch.int64), span.start, rotate)
+            fresh[span.start - prefix:end - prefix] = False
+        reused = int((~fresh).sum())
+        if reused:
+            self.fresh_masks[req.rid] = fresh
+            req.tokendance_first_reused = prefix + int((~fresh).nonzero()[0])
+        return {"reused_tokens": reused, "computed_tokens": len(fresh) - reused,
+                "segment_hits": hits, "segment_misses": misses}
+
+    def take_fresh_mask(self, forward_batch) -> torch.Tensor | None:
+        """The fresh-token mask of an extend batch in which some request reuses, else None."""
+        masks = [self.fresh_masks.pop(rid, None) for rid in forward_batch.rids]
+        if all(m is None for m in masks):
+            return None
+        return torch.cat([
+            m if m is not None else torch.ones(n, dtype=torch.bool)
+            for m, n in zip(masks, forward_batch.extend_seq_lens_cpu)
+        ]).to(forward_batch.input_ids.device)
+
+    def _copy_kv(self, src: torch.Tensor, dst: torch.Tensor, start: int, k_transform) -> None:
+        """Copy every layer's K and V from slots `src` to `dst`; K passes through
+        `k_transform(k, positions, rope)` for positions start.. (rotate or unrotate)."""
         pool = self.token_to_kv_pool_allocator.get_kvcache()
         positions = torch.arange(start, start + src.numel(), device=src.device)
         for layer in range(pool.start_layer, pool.start_layer + pool.layer_num):
             k, v = pool.get_key_buffer(layer), pool.get_value_buffer(layer)
-            k[dst] = unrotate(k[src], positions, self.rope)
+            k[dst] = k_transform(k[src], positions, self.rope)
             v[dst] = v[src]
 
     # --- one LRU over tree leaves and segments --------------------------------------------
@@ -104,16 +163,57 @@ class SegmentForest(RadixCache):
         return {**self.segments.stats(bytes_per_token), "tree_evictable_tokens": super().evictable_size()}
 
 
+ACTIVE: SegmentForest | None = None  # the scheduler process's forest, for the model forward
+
+
+def _first_reused(req) -> int:
+    return getattr(req, "tokendance_first_reused", 1 << 62)
+
+
 def build_forest(ctx: TreeCacheBuildContext) -> SegmentForest:
     """The `register_radix_cache_backend` factory."""
     if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or ctx.enable_hierarchical_cache:
         raise ValueError("the tokendance radix cache supports full-attention models without HiCache")
+    hf_config = ctx.model_config.hf_config
     try:
-        rope = RopeSpec.from_hf_config(ctx.model_config.hf_config)
+        rope = RopeSpec.from_hf_config(hf_config)
     except ValueError as e:
         logger.warning("TokenDance segment caching is off for this model: %s", e)
         rope = None
-    return SegmentForest(ctx.params, rope)
+    reuse = TokenDanceArgs.from_env().kv_enabled and list(hf_config.architectures or []) == list(SUPPORTED_ARCHITECTURES)
+    forest = SegmentForest(ctx.params, rope, reuse=reuse)
+    global ACTIVE
+    ACTIVE = forest
+    return forest
+
+
+class OutputStreamer(SchedulerOutputStreamer):
+    """SGLang's output streamer, sending our per-request reuse counts once per request."""
+
+    def is_request_level_customized_info_key(self, key: str) -> bool:
+        return key == REUSE_INFO_KEY or super().is_request_level_customized_info_key(key)
+
+
+def output_streamer_class(*unused, **unused_kw):
+    """REPLACE hook on Scheduler.get_output_streamer_class (an official override point)."""
+    return OutputStreamer
+
+
+def restore_after_allocation(result, batch, *unused, **unused_kw):
+    """AFTER hook on ScheduleBatch.prepare_for_extend: slots are final, the forward is next."""
+    if isinstance(batch.tree_cache, SegmentForest):
+        batch.tree_cache.restore_segments(batch)
+    return result
+
+
+def llama_forward(original, model, input_ids, positions, forward_batch, *args, **kwargs):
+    """AROUND hook on LlamaModel.forward: batches with reused segments compute fresh tokens only."""
+    fresh = None
+    if ACTIVE is not None and forward_batch.forward_mode.is_extend():
+        fresh = ACTIVE.take_fresh_mask(forward_batch)
+    if fresh is None:
+        return original(model, input_ids, positions, forward_batch, *args, **kwargs)
+    return forward_fresh_tokens(model, input_ids, positions, forward_batch, fresh)
 
 
 def add_forest_stats(result, scheduler, *unused, **unused_kw):

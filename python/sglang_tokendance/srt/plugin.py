@@ -44,4 +44,13 @@ def _register_forest() -> None:
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler.get_internal_state", forest.add_forest_stats, HookType.AFTER
     )
+    HookRegistry.register(
+        "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend",
+        forest.restore_after_allocation, HookType.AFTER,
+    )
+    HookRegistry.register("sglang.srt.models.llama.LlamaModel.forward", forest.llama_forward, HookType.AROUND)
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler.get_output_streamer_class",
+        forest.output_streamer_class, HookType.REPLACE,
+    )
 

@@ -25,6 +25,7 @@ from sglang_tokendance.model_store import tokendance_home
 from sglang_tokendance.server_args import TokenDanceArgs
 
 CARRIER_KEY = "tokendance"  # in sampling_params.custom_params; only this module sets it
+REUSE_INFO_KEY = "tokendance_reuse"  # scheduler -> meta_info: reused / computed token counts
 TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
 
 
@@ -198,8 +199,10 @@ def _wait_one_response(original, self, obj, request=None, *rest, **kw):
 
     async def with_tokendance_info():
         async for out in responses:
-            if isinstance(out, dict) and isinstance(out.get("meta_info"), dict):
-                out["meta_info"]["tokendance"] = info
+            meta = out.get("meta_info") if isinstance(out, dict) else None
+            if isinstance(meta, dict):
+                reuse = meta.pop(REUSE_INFO_KEY, None)
+                meta["tokendance"] = {**info, **reuse[0]} if reuse else info
             yield out
 
     return with_tokendance_info()

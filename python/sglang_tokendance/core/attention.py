@@ -1,0 +1,29 @@
+"""Attention for scattered queries, causal by absolute position.
+
+When only some tokens of a prompt are computed (the rest reuse cached KV), the queries are
+no longer the contiguous suffix SGLang's extend kernels assume. Each query attends to every
+key whose position is not after its own, over the request's full KV row.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def position_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              q_positions: torch.Tensor, k_positions: torch.Tensor,
+                              scale: float) -> torch.Tensor:
+    """q [nq, heads, d], k/v [nk, kv_heads, d] (GQA: heads a multiple of kv_heads);
+    returns [nq, heads, d]. Query i sees key j iff k_positions[j] <= q_positions[i]."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} KV heads")
+    group = heads // kv_heads
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    mask = k_positions.unsqueeze(0) <= q_positions.unsqueeze(1)  # [nq, nk]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
+    )
+    return out.transpose(0, 1)
