@@ -188,3 +188,15 @@ def test_batch_mixing_reuse_and_plain_requests(server):
     batch = requests.post(server + "/generate", json=body, timeout=300).json()
     assert batch[0]["meta_info"]["tokendance"]["reused_tokens"] > 0
     assert batch[1]["output_ids"] == alone
+
+
+def test_chat_with_markers_reuses_cached_blocks(server):
+    requests.post(server + "/flush_cache", timeout=60)
+    generate(server, SEP.join([H_MIRA, BLOCKS[0], BLOCKS[1], " Mira says:"]), 2)
+    content = f"News:{SEP}{BLOCKS[1]}{SEP}{BLOCKS[0]}{SEP}What happened to the mill?"
+    r = requests.post(server + "/v1/chat/completions", json={
+        "model": "m", "max_tokens": 8, "temperature": 0, "messages": [{"role": "user", "content": content}]},
+        timeout=300)
+    assert r.status_code == 200, r.text
+    info = r.json()["metadata"]["tokendance"]
+    assert info["segment_hits"] == 2 and info["reused_tokens"] > 0

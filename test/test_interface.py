@@ -22,7 +22,10 @@ MAX_SEGMENTS = 6
 
 @pytest.fixture(scope="module")
 def server(smollm2_path):
-    with ServerProcess(["--tokendance-max-segments", str(MAX_SEGMENTS), "--context-length", "2048"]) as proc:
+    """The interface alone (--disable-tokendance keeps it, minus KV reuse): every output here
+    must equal a full prefill. Reuse is tested in test_forest.py."""
+    with ServerProcess(["--disable-tokendance", "--tokendance-max-segments", str(MAX_SEGMENTS),
+                        "--context-length", "2048"]) as proc:
         yield proc.url
 
 

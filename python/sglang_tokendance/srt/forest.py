@@ -38,6 +38,7 @@ from sglang_tokendance.srt.prompt_interface import REUSE_INFO_KEY, carried_spans
 
 logger = logging.getLogger(__name__)
 
+
 class SegmentForest(RadixCache):
     def __init__(self, params, rope: RopeSpec | None, reuse: bool):
         self.rope = rope
