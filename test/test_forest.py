@@ -70,11 +70,13 @@ def test_private_prefixes_hit_like_stock_sglang(server, stock_prefix_results):
 
 def test_segments_are_cached_once_per_content(server):
     requests.post(server + "/flush_cache", timeout=60)
+    before = forest_stats(server)  # the counters are cumulative; the nodes are not
     # One batch: both agents compute the blocks in the same prefill, each in its own context.
     generate(server, [SEP.join([history, *BLOCKS, " Reply:"]) for history in HISTORIES], 2)
     stats = forest_stats(server)
-    assert stats["segment_nodes"] == 3 and stats["segments_inserted"] == 3
-    assert stats["segment_duplicates"] == 3  # the second agent's copies are only counted
+    assert stats["segment_nodes"] == 3 and stats["segments_inserted"] - before["segments_inserted"] == 3
+    # the second agent's copies are only counted
+    assert stats["segment_duplicates"] - before["segment_duplicates"] == 3
     out = generate(server, SEP.join(["Short.", BLOCKS[2], BLOCKS[0], " Reply:"]), 2)
     info = out["meta_info"]["tokendance"]
     assert len({s["hash"] for s in info["segments"]}) == 2 and info["segment_hits"] == 2
@@ -200,3 +202,21 @@ def test_chat_with_markers_reuses_cached_blocks(server):
     assert r.status_code == 200, r.text
     info = r.json()["metadata"]["tokendance"]
     assert info["segment_hits"] == 2 and info["reused_tokens"] > 0
+
+
+def test_registered_output_is_reused_as_next_rounds_block(server):
+    requests.post(server + "/flush_cache", timeout=60)
+    body = {"text": SEP.join([H_MIRA, BLOCKS[0], " Mira says:"]), "tokendance": {"register_output": True},
+            "sampling_params": {"max_new_tokens": 24, "temperature": 0}}
+    first = requests.post(server + "/generate", json=body, timeout=300).json()
+    assert forest_stats(server)["segment_nodes"] == 2  # BLOCKS[0] and the output
+    reply = first["text"]
+    nxt = generate(server, SEP.join(["You are Oskar.", reply, " Oskar replies:"]), 4)
+    info = nxt["meta_info"]["tokendance"]
+    (span,) = info["segments"]
+    length = span["end"] - span["start"]
+    assert info["segment_hits"] == 1
+    # The output's last token had no KV yet: it is computed fresh (unless an EOS followed it).
+    assert info["reused_tokens"] in (length - 1, length)
+    plain = generate(server, "The capital of France is", 4)
+    assert "reused_tokens" not in plain["meta_info"]["tokendance"]

@@ -175,6 +175,8 @@ BAD_REQUESTS = [
     ({"segments": ["a", BLOCK_A], "input_ids": [1, 2, 3]}, "cannot be combined"),
     ({"text": f"a{SEP}{BLOCK_A}", "input_ids": [1, 2, 3]}, "cannot be combined"),
     ({"segments": []}, "non-empty list"),
+    ({"text": "a", "tokendance": {"register": True}}, "register_output"),
+    ({"text": "a", "tokendance": "yes"}, "register_output"),
     ({"text": f"a{SEP}{SEP}b", "stream": True}, "empty"),
 ]
 

@@ -17,7 +17,12 @@ the model forward then computes only the other tokens (srt/model.py), found by r
 A request's approximate KV never enters the tree: it publishes only the part before its first
 reused token, and inserts only segments computed before it.
 
-Not yet here (the forest issue stays open for them): output registration and the metrics.
+Output registration: a request sent with `"tokendance": {"register_output": true}` has its
+generated text cached as a segment when it finishes, if tokenising that text alone gives back
+the generated ids (so the next round's block, which is that text, has the same hash). Its last
+token has no KV yet; reuse computes it fresh.
+
+Not yet here (the forest issue stays open for them): the metrics.
 """
 
 from __future__ import annotations
@@ -34,15 +39,17 @@ from sglang_tokendance.core.rope import RopeSpec, rotate, unrotate
 from sglang_tokendance.core.segment_table import SegmentTable
 from sglang_tokendance.server_args import TokenDanceArgs
 from sglang_tokendance.srt.model import SUPPORTED_ARCHITECTURES, forward_fresh_tokens
-from sglang_tokendance.srt.prompt_interface import REUSE_INFO_KEY, carried_spans
+from sglang_tokendance.core.segments import segment_hash
+from sglang_tokendance.srt.prompt_interface import REUSE_INFO_KEY, carried_spans, model_salt, wants_output_registered
 
 logger = logging.getLogger(__name__)
 
 
 class SegmentForest(RadixCache):
-    def __init__(self, params, rope: RopeSpec | None, reuse: bool):
+    def __init__(self, params, rope: RopeSpec | None, reuse: bool, outputs: OutputSegments | None = None):
         self.rope = rope
         self.reuse = reuse and rope is not None
+        self.outputs = outputs
         self.segments = SegmentTable()
         self.fresh_masks: dict[str, torch.Tensor] = {}  # rid -> extend tokens to compute
         super().__init__(params)
@@ -62,6 +69,26 @@ class SegmentForest(RadixCache):
         super().checkpoint(req, up_to=exact)
         if self.rope is not None and not self.disable:
             self.insert_segments(req, exact)
+            if req.finished() and self.outputs is not None and wants_output_registered(req.sampling_params.custom_params):
+                self.register_output(req)
+
+    def register_output(self, req) -> None:
+        """Cache a finished request's generated text as a segment (see the module doc)."""
+        ids = self.outputs.segment_ids(list(req.output_ids))
+        if ids is None:
+            return
+        segment_hash = self.outputs.hash(ids)
+        if segment_hash in self.segments:
+            self.segments.count_duplicate(segment_hash)
+            return
+        start = len(req.origin_input_ids)
+        with_kv = min(len(ids), len(req.output_ids) - 1)  # the last generated token has no KV
+        slots = self.token_to_kv_pool_allocator.alloc(with_kv) if with_kv > 0 else None
+        if slots is None:
+            return
+        row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+        self._copy_kv(row[start:start + with_kv].to(torch.int64), slots, start, unrotate)
+        self.segments.insert(segment_hash, slots)
 
     def insert_segments(self, req, up_to: int) -> None:
         """Cache the request's shared segments whose exact KV is complete (end <= up_to)."""
@@ -97,14 +124,14 @@ class SegmentForest(RadixCache):
         fresh = torch.ones(extend_end - prefix, dtype=torch.bool)
         hits = misses = 0
         for span in spans:
-            end = min(span.end, extend_end, last_fresh)
-            if span.start < prefix or end <= span.start:
+            if span.start < prefix or min(span.end, extend_end, last_fresh) <= span.start:
                 continue
             entry = self.segments.lookup(span.hash)
             if entry is None:
                 misses += 1
                 continue
             hits += 1
+            end = min(span.end, extend_end, last_fresh, span.start + len(entry))
             self._copy_kv(entry.slots[: end - span.start], row[span.start:end].to(torch.int64), span.start, rotate)
             fresh[span.start - prefix:end - prefix] = False
         reused = int((~fresh).sum())
@@ -171,6 +198,36 @@ def _first_reused(req) -> int:
     return getattr(req, "tokendance_first_reused", 1 << 62)
 
 
+class OutputSegments:
+    """What output registration needs in the scheduler: the tokenizer and the hash salt of
+    the tokenizer manager's segments (loaded on first use)."""
+
+    def __init__(self, server_args, min_segment_tokens: int):
+        self.server_args = server_args
+        self.min_segment_tokens = min_segment_tokens
+        self._tokenizer = self._salt = None
+
+    def segment_ids(self, output_ids: list[int]) -> list[int] | None:
+        """The output's ids as its text tokenises alone (trailing special tokens such as EOS
+        dropped), or None when they differ or are too short to be a segment."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            path = self.server_args.tokenizer_path or self.server_args.model_path
+            self._tokenizer = AutoTokenizer.from_pretrained(path)
+        text = self._tokenizer.decode(output_ids, skip_special_tokens=True)
+        ids = self._tokenizer.encode(text, add_special_tokens=False)
+        special = set(self._tokenizer.all_special_ids)
+        if output_ids[: len(ids)] != ids or not set(output_ids[len(ids):]) <= special:
+            return None
+        return ids if len(ids) >= self.min_segment_tokens else None
+
+    def hash(self, ids: list[int]) -> str:
+        if self._salt is None:
+            self._salt = model_salt(self.server_args)
+        return segment_hash(ids, self._salt)
+
+
 def build_forest(ctx: TreeCacheBuildContext) -> SegmentForest:
     """The `register_radix_cache_backend` factory."""
     if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or ctx.enable_hierarchical_cache:
@@ -181,8 +238,10 @@ def build_forest(ctx: TreeCacheBuildContext) -> SegmentForest:
     except ValueError as e:
         logger.warning("TokenDance segment caching is off for this model: %s", e)
         rope = None
-    reuse = TokenDanceArgs.from_env().kv_enabled and list(hf_config.architectures or []) == list(SUPPORTED_ARCHITECTURES)
-    forest = SegmentForest(ctx.params, rope, reuse=reuse)
+    args = TokenDanceArgs.from_env()
+    reuse = args.kv_enabled and list(hf_config.architectures or []) == list(SUPPORTED_ARCHITECTURES)
+    outputs = OutputSegments(ctx.server_args, args.min_segment_tokens)
+    forest = SegmentForest(ctx.params, rope, reuse=reuse, outputs=outputs)
     global ACTIVE
     ACTIVE = forest
     return forest

@@ -20,7 +20,7 @@ import json
 from typing import Any
 
 from sglang_tokendance.core.model_identity import model_identity, weight_checksums
-from sglang_tokendance.core.segments import Piece, SegmentError, Segmenter, SegmentedPrompt, SegmentSpan
+from sglang_tokendance.core.segments import Piece, SegmentError, Segmenter, SegmentSpan
 from sglang_tokendance.model_store import tokendance_home
 from sglang_tokendance.server_args import TokenDanceArgs
 
@@ -102,25 +102,40 @@ async def _generate_request(original, args, tokenizer_manager, obj, request, *re
     from sglang.srt.managers.io_struct import GenerateReqInput
 
     if isinstance(obj, GenerateReqInput):
-        segments = None
+        segments = options = None
         if request is not None and request.url.path.endswith("/generate"):
-            segments = (await request.json()).get("segments")
+            body = await request.json()
+            segments, options = body.get("segments"), body.get("tokendance")
         chat = request is not None and request.url.path.endswith("/chat/completions")
         try:
             apply_segments(obj, segments_field=segments, from_chat=chat,
-                           segmenter=segmenter_of(tokenizer_manager, args))
+                           segmenter=segmenter_of(tokenizer_manager, args),
+                           register_output=register_output_option(options))
         except SegmentError as e:
             raise ValueError(str(e)) from None
     async for out in original(tokenizer_manager, obj, request, *rest, **kw):
         yield out
 
 
-def apply_segments(obj, *, segments_field, from_chat: bool, segmenter: Segmenter) -> None:
+def register_output_option(options: Any) -> bool:
+    """The request's `tokendance` options: {"register_output": true} or nothing."""
+    if options is None:
+        return False
+    if not isinstance(options, dict) or set(options) - {"register_output"} or \
+            not isinstance(options.get("register_output", False), bool):
+        raise SegmentError('`tokendance` must be an object like {"register_output": true}')
+    return options.get("register_output", False)
+
+
+def apply_segments(obj, *, segments_field, from_chat: bool, segmenter: Segmenter,
+                   register_output: bool = False) -> None:
     """Rewrite a GenerateReqInput in place: segmented prompts become ids + carried spans.
 
     Chat prompts are rendered templates, which SGLang encodes without added special tokens.
+    `register_output` asks the scheduler to cache the generated text as a segment.
     """
     strip_client_carrier(obj)
+    extra = {"register_output": True} if register_output else {}
     texts = obj.text
     if segments_field is not None:
         if texts is not None or obj.input_ids is not None:
@@ -131,14 +146,16 @@ def apply_segments(obj, *, segments_field, from_chat: bool, segmenter: Segmenter
         batched = isinstance(texts, list)
         items = texts if batched else [texts]
         if texts is None or not any(isinstance(t, str) and segmenter.has_marker(t) for t in items):
-            return  # a plain prompt: SGLang's own path, untouched
+            if extra:  # a plain prompt keeps SGLang's own path; only the option rides along
+                _carry(obj, [{"segments": [], **extra}] * (len(items) if batched else 1), batched)
+            return
         if obj.input_ids is not None:
             raise SegmentError("separators in `text` cannot be combined with `input_ids`")
         prompts = [segmenter.split_text(t) for t in items]
     results = [segmenter.from_pieces(p, add_special_tokens=not from_chat) for p in prompts]
     obj.text = None
     obj.input_ids = [r.input_ids for r in results] if batched else results[0].input_ids
-    _carry(obj, results, batched)
+    _carry(obj, [{**r.to_json(), **extra} for r in results], batched)
 
 
 def strip_client_carrier(obj) -> None:
@@ -164,14 +181,14 @@ def _segments_as_prompts(value: Any) -> list[list[Piece]]:
     return value if _is_batch_of_pieces(value) else [value]
 
 
-def _carry(obj, results: list[SegmentedPrompt], batched: bool) -> None:
-    """Put each prompt's spans in its own sampling_params copy (SGLang shares one dict)."""
+def _carry(obj, payloads: list[dict], batched: bool) -> None:
+    """Put each prompt's payload in its own sampling_params copy (SGLang shares one dict)."""
     params = obj.sampling_params
-    base = params if isinstance(params, list) else [params] * len(results)
+    base = params if isinstance(params, list) else [params] * len(payloads)
     carried = []
-    for p, result in zip(base, results):
+    for p, payload in zip(base, payloads):
         p = dict(p or {})
-        p["custom_params"] = {**(p.get("custom_params") or {}), CARRIER_KEY: json.dumps(result.to_json())}
+        p["custom_params"] = {**(p.get("custom_params") or {}), CARRIER_KEY: json.dumps(payload)}
         carried.append(p)
     obj.sampling_params = carried if batched else carried[0]
 
@@ -186,6 +203,10 @@ def carried_spans(custom_params: dict | None) -> list[SegmentSpan]:
     """The scheduler's end of the route: a request's shared segments, from its
     `SamplingParams.custom_params`."""
     return [SegmentSpan(**s) for s in _parse_carrier(custom_params)["segments"]]
+
+
+def wants_output_registered(custom_params: dict | None) -> bool:
+    return bool(_parse_carrier(custom_params).get("register_output"))
 
 
 def _parse_carrier(custom_params: dict | None) -> dict:
@@ -238,7 +259,8 @@ def _streaming_contract_error(args: TokenDanceArgs, body: Any) -> str | None:
                           sampling_params=json.loads(json.dumps(body.get("sampling_params"))))
     try:
         apply_segments(obj, segments_field=body.get("segments"), from_chat=False,
-                       segmenter=segmenter_of(_global_state.tokenizer_manager, args))
+                       segmenter=segmenter_of(_global_state.tokenizer_manager, args),
+                       register_output=register_output_option(body.get("tokendance")))
     except SegmentError as e:
         return str(e)
     return None
