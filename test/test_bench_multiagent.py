@@ -76,6 +76,8 @@ def test_rounds_feed_outputs_forward(fake, mode):
     assert len(fake.bodies) == 18
     assert all((SEP in b["text"]) == (mode == "tokendance") for b in fake.bodies)
     assert all(b["stream"] and b["sampling_params"]["temperature"] == 0 for b in fake.bodies)
+    # TokenDance registers every output as the next round's shared block; stock gets no field.
+    assert all((b.get("tokendance") == {"register_output": True}) == (mode == "tokendance") for b in fake.bodies)
     sim = make_simulation(config)
     # Round 0 of session 0 shares the seed messages; later rounds share real outputs.
     session0 = [b for b in fake.bodies if sim.agents[0].history.split("\n")[0] in b["text"]]

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from sglang_tokendance.bench.workloads import (
+    message_block,
     PRESETS, WorkloadConfig, make_simulation, preset_config,
 )
 from sglang_tokendance.core.segments import DEFAULT_SEPARATOR as SEP
@@ -45,21 +46,23 @@ def test_prompt_pieces_structure(sim):
     for i, agent in enumerate(sim.agents):
         for r in range(sim.config.num_rounds):
             pieces = sim.prompt_pieces(i, r, sim.seed_messages)
-            blocks = [sim.seed_messages[j] for j in sim.order(i, r)]
-            assert pieces == [agent.history, *sim.context[r], *blocks, sim.instruction(i, r)]
+            messages = [p for j in sim.order(i, r)
+                        for p in (f"\n{sim.agents[j].name}:", sim.seed_messages[j])]
+            assert pieces == [agent.history, *sim.context[r], *messages, sim.instruction(i, r)]
             assert pieces[0].endswith("\n") and pieces[-1].startswith("\n")
-            assert all(p.endswith("\n") for p in pieces[1:-1])
+            assert all(p.endswith("\n") for p in pieces[1:1 + len(sim.context[r])])
             assert agent.name in pieces[-1]
 
 
-def test_blocks_are_self_describing_and_include_own_message(sim):
-    for j, agent in enumerate(sim.agents):
-        assert sim.format_block(j, "  hello there \n") == f"{agent.name}: hello there\n"
-        assert sim.seed_messages[j].startswith(f"{agent.name}: ")
-        assert sim.format_block(j, sim.seed_messages[j][len(agent.name) + 2:]) == \
-            sim.seed_messages[j]
-    outputs = [sim.format_block(j, f" output {j}") for j in range(len(sim.agents))]
-    assert sim.format_block(0, " output 0") in sim.prompt_pieces(0, 1, outputs)
+def test_message_blocks_are_raw_outputs_behind_their_own_label(sim):
+    assert message_block("  hello there \n") == "  hello there \n"  # kept byte for byte
+    assert message_block("  \n") == " (no reply)"
+    outputs = [message_block(f" output {j}") for j in range(len(sim.agents))]
+    pieces = sim.prompt_pieces(0, 1, outputs)
+    for j, agent in enumerate(sim.agents):  # every agent's own message is in its prompt too
+        at = pieces.index(outputs[j])
+        assert pieces[at - 1] == f"\n{agent.name}:"
+        assert sim.seed_messages[j].startswith(" ") and sim.seed_messages[j].strip()
 
 
 def test_text_joins_pieces_with_and_without_separator(sim):
@@ -116,7 +119,7 @@ def test_many_agents(preset):
     assert len({a.name for a in sim.agents}) == 64
     assert len({a.history for a in sim.agents}) == 64
     pieces = sim.prompt_pieces(63, sim.config.num_rounds - 1, sim.seed_messages)
-    assert len(pieces) == 2 + len(sim.context[-1]) + 64
+    assert len(pieces) == 2 + len(sim.context[-1]) + 2 * 64  # a label and a message per author
 
 
 def test_names_stay_distinct_past_the_first_name_pool():

@@ -19,7 +19,7 @@ from typing import Any
 
 import aiohttp
 
-from sglang_tokendance.bench.workloads import Simulation, WorkloadConfig, make_simulation
+from sglang_tokendance.bench.workloads import Simulation, WorkloadConfig, make_simulation, message_block
 
 CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=3600)
 
@@ -127,11 +127,12 @@ async def stream_generate(http: aiohttp.ClientSession, url: str, body: dict) -> 
 
 
 def request_body(sim: Simulation, mode: Mode, agent: int, round_index: int, blocks: list[str]) -> dict:
+    """Marked prompts for TokenDance, which also registers each output as next round's block."""
     text = (sim.prompt_text if mode.marked else sim.plain_prompt)(agent, round_index, blocks)
-    return {
-        "text": text,
-        "sampling_params": {"max_new_tokens": sim.config.max_new_tokens, "temperature": 0},
-    }
+    body = {"text": text, "sampling_params": {"max_new_tokens": sim.config.max_new_tokens, "temperature": 0}}
+    if mode.marked:
+        body["tokendance"] = {"register_output": True}
+    return body
 
 
 async def run_session(http, url: str, mode: Mode, sim: Simulation, session: int, result: RunResult,
@@ -152,7 +153,7 @@ async def run_session(http, url: str, mode: Mode, sim: Simulation, session: int,
                 session, round_index, agent, ttft, req_latency, meta["prompt_tokens"],
                 meta.get("cached_tokens", 0), meta["completion_tokens"], reused, last["text"],
             ))
-        blocks = [sim.format_block(a, out[2]["text"]) for a, out in enumerate(outs)]
+        blocks = [message_block(out[2]["text"]) for out in outs]
         progress.update(1)
 
 

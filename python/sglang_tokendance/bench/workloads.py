@@ -5,10 +5,13 @@ Every round, agent i's prompt is
     history_i SEP context_1 SEP ... SEP context_K SEP perm_i(m_1 .. m_N) SEP instruction_i
 
 The context blocks (a broadcast event, a debate motion and its background document) and the
-message blocks "Name: message" are byte-identical for all agents; only their offsets (the
-histories differ in length) and, with `permute`, their order differ. That is the reuse
-TokenDance exploits and a prefix cache cannot. Round 0 uses `Simulation.seed_messages`; for
-later rounds a driver passes `format_block(j, output_j)` of the previous round's outputs.
+messages are byte-identical for all agents; only their offsets (the histories differ in
+length) and, with `permute`, their order differ. That is the reuse TokenDance exploits and a
+prefix cache cannot. Each message is its author's raw text (round 0: `seed_messages`; later:
+`message_block(output_j)`, the previous round's generated text as is) preceded by a short
+label piece "\nName:" of its own, so a message block is exactly the author's output and can
+hit the segment the server registered for it (labels are below the minimum segment length,
+so they stay private text).
 
 Lengths are in words (whitespace-separated); English text is about 1.3 tokens a word.
 """
@@ -87,20 +90,17 @@ class Simulation:
             random.Random(f"{self.config.seed}:{agent_index}:{round_index}").shuffle(authors)
         return authors
 
-    def format_block(self, author_index: int, message: str) -> str:
-        """Agent author_index's message as a self-describing shared block, "Name: message\n";
-        the same bytes in every agent's prompt."""
-        return _message_block(self.agents[author_index].name, message)
-
     def prompt_pieces(self, agent_index: int, round_index: int,
                       shared_blocks: Sequence[str]) -> list[str]:
-        """[history, *context blocks, *shared_blocks in this agent's order, instruction];
-        `shared_blocks[j]` is agent j's block: a seed message, or `format_block(j, output)`."""
+        """[history, *context blocks, then for each author j in this agent's order the label
+        "\nName_j:" and shared_blocks[j], instruction]; `shared_blocks[j]` is agent j's
+        message: a seed message, or `message_block(output_j)`."""
         if len(shared_blocks) != len(self.agents):
             raise ValueError(f"expected {len(self.agents)} shared blocks, one per agent, "
                              f"got {len(shared_blocks)}")
-        blocks = [shared_blocks[j] for j in self.order(agent_index, round_index)]
-        return [self.agents[agent_index].history, *self.context[round_index], *blocks,
+        messages = [piece for j in self.order(agent_index, round_index)
+                    for piece in (f"\n{self.agents[j].name}:", shared_blocks[j])]
+        return [self.agents[agent_index].history, *self.context[round_index], *messages,
                 self.instruction(agent_index, round_index)]
 
     def prompt_text(self, agent_index: int, round_index: int, shared_blocks: Sequence[str],
@@ -158,7 +158,7 @@ def make_simulation(config: WorkloadConfig) -> Simulation:
                       _history_target(rng, config.history_words) - _words(frame + style.footer))
         history = frame + "".join(f"- {note}\n" for note in notes) + f"\n{style.footer}\n"
         agents.append(Agent(name, fixed[style.role_field], persona, history))
-        seeds.append(_message_block(name, " ".join(_grow(
+        seeds.append(message_block(" " + " ".join(_grow(
             rng, style.message_templates, pools, config.block_words, lead=style.message_lead))))
     return Simulation(config, agents, seeds, context, style.instruction)
 
@@ -174,8 +174,11 @@ def _check_preset(preset: str) -> None:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(_STYLES)}")
 
 
-def _message_block(name: str, message: str) -> str:
-    return f"{name}: {message.strip()}\n"
+def message_block(text: str) -> str:
+    """A message as its shared block: the text as is (so it keeps the hash of the segment the
+    server registered for that output); an empty reply becomes a placeholder, since an empty
+    segment is not a valid prompt."""
+    return text if text.strip() else " (no reply)"
 
 
 def _words(text: str) -> int:
