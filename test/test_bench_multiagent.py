@@ -145,3 +145,18 @@ def test_capacity_mode_finds_max_agents_under_slo(tmp_path, smollm2_path):
 
 def meta_of(records):
     return next(r for r in records if r["type"] == "meta")
+
+
+def test_cli_drives_a_running_server(fake, tmp_path):
+    from sglang_tokendance import bench_multiagent
+
+    fake.bodies.clear()
+    out = tmp_path / "running.jsonl"
+    bench_multiagent.main(["--base-url", fake.url, "--backend", "sglang", "--num-agents", "2",
+                           "--num-rounds", "2", "--num-sessions", "2", "--request-rate", "50",
+                           "--no-plot", "--output-file", str(out)])
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    (summary,) = [r for r in records if r["type"] == "summary"]
+    assert summary["mode"] == "sglang" and summary["num_requests"] == 8
+    assert len(fake.bodies) == 8 + 1  # 2 sessions x 2 rounds x 2 agents, plus the warm-up
+    assert not any(SEP in b["text"] or "tokendance" in b for b in fake.bodies)
