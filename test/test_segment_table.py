@@ -18,27 +18,13 @@ def test_first_copy_kept_and_duplicates_counted():
         table.insert("h1", torch.arange(4, 8))
 
 
-def test_locked_entries_are_protected_not_evictable():
-    table = SegmentTable()
-    a = table.insert("a", torch.arange(3))
-    b = table.insert("b", torch.arange(3, 8))
-    table.lock(a)
-    assert (table.evictable_tokens, table.protected_tokens) == (5, 3)
-    assert table.oldest_evictable() is b
-    with pytest.raises(RuntimeError, match="in use"):
-        table.remove(a)
-    table.unlock(a)
-    with pytest.raises(RuntimeError, match="unlocked more often"):
-        table.unlock(a)
-
-
 def test_lru_order_follows_lookups():
     table = SegmentTable()
     a = table.insert("a", torch.arange(2))
     b = table.insert("b", torch.arange(2, 4))
-    assert table.oldest_evictable() is a
+    assert table.oldest() is a
     assert table.lookup("a") is a and a.hits == 1
-    assert table.oldest_evictable() is b
+    assert table.oldest() is b
     assert torch.equal(table.remove(b), torch.arange(2, 4)) and table.evicted == 1
     assert table.lookup("b") is None
 
@@ -48,6 +34,6 @@ def test_clear_returns_all_slots_and_stats_count_bytes():
     table.insert("a", torch.arange(2))
     table.insert("b", torch.arange(2, 5))
     stats = table.stats(bytes_per_token=10)
-    assert stats["segment_tokens"] == 5 and stats["segment_bytes"] == 50
+    assert stats["segment_tokens"] == 5 == table.tokens and stats["segment_bytes"] == 50
     assert sorted(int(x) for s in table.clear() for x in s) == [0, 1, 2, 3, 4]
     assert table.stats(10)["segment_nodes"] == 0

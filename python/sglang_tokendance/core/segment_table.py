@@ -2,8 +2,9 @@
 
 The segment-hash forest keeps one entry per content hash, whatever context and offset the
 segment was first computed at: the first copy is kept and later ones are only counted.
-Entries are pinned by lock refs while requests use them and otherwise evictable, in one LRU
-order with the radix tree's leaves (both read `time.monotonic()`).
+Entries are evictable in one LRU order with the radix tree's leaves (both read
+`time.monotonic()`). They need no lock refs: a request uses an entry only while its KV is
+copied into the request's own slots, right after allocation, when nothing can evict it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ class SegmentEntry:
     hash: str
     slots: torch.Tensor  # one KV-pool slot per token, holding un-rotated K and V
     last_access_time: float = field(default_factory=time.monotonic)
-    lock_ref: int = 0
     hits: int = 0
 
     def __len__(self) -> int:
@@ -56,22 +56,11 @@ class SegmentTable:
             entry.last_access_time = time.monotonic()
         return entry
 
-    def lock(self, entry: SegmentEntry) -> None:
-        entry.lock_ref += 1
-
-    def unlock(self, entry: SegmentEntry) -> None:
-        if entry.lock_ref <= 0:
-            raise RuntimeError(f"segment {entry.hash} unlocked more often than locked")
-        entry.lock_ref -= 1
-
-    def oldest_evictable(self) -> SegmentEntry | None:
-        unlocked = (e for e in self.entries.values() if e.lock_ref == 0)
-        return min(unlocked, key=lambda e: e.last_access_time, default=None)
+    def oldest(self) -> SegmentEntry | None:
+        return min(self.entries.values(), key=lambda e: e.last_access_time, default=None)
 
     def remove(self, entry: SegmentEntry) -> torch.Tensor:
-        """Drop an unlocked entry; returns its slots for the caller to free."""
-        if entry.lock_ref:
-            raise RuntimeError(f"segment {entry.hash} is in use and cannot be removed")
+        """Drop an entry; returns its slots for the caller to free."""
         del self.entries[entry.hash]
         self.evicted += 1
         return entry.slots
@@ -82,15 +71,11 @@ class SegmentTable:
         return slots
 
     @property
-    def evictable_tokens(self) -> int:
-        return sum(len(e) for e in self.entries.values() if e.lock_ref == 0)
-
-    @property
-    def protected_tokens(self) -> int:
-        return sum(len(e) for e in self.entries.values() if e.lock_ref > 0)
+    def tokens(self) -> int:
+        return sum(len(e) for e in self.entries.values())
 
     def stats(self, bytes_per_token: int) -> dict:
-        tokens = sum(len(e) for e in self.entries.values())
+        tokens = self.tokens
         return {
             "segment_nodes": len(self.entries),
             "segment_tokens": tokens,

@@ -166,23 +166,22 @@ class SegmentForest(RadixCache):
     def evict(self, params: EvictParams) -> EvictResult:
         total = EvictResult()
         while total.num_tokens_evicted < params.num_tokens:
-            segment = self.segments.oldest_evictable()
+            segment = self.segments.oldest()
+            if segment is None:  # only tree leaves left: SGLang's own eviction, in one go
+                rest = params.num_tokens - total.num_tokens_evicted
+                total.num_tokens_evicted += super().evict(EvictParams(num_tokens=rest)).num_tokens_evicted
+                break
             leaf = min(self.evictable_leaves, key=lambda n: n.last_access_time, default=None)
-            if segment is not None and (leaf is None or segment.last_access_time <= leaf.last_access_time):
+            if leaf is None or segment.last_access_time <= leaf.last_access_time:
                 freed = len(segment)
                 self.token_to_kv_pool_allocator.free(self.segments.remove(segment))
-            elif leaf is not None:
-                freed = super().evict(EvictParams(num_tokens=1)).num_tokens_evicted
             else:
-                break
+                freed = super().evict(EvictParams(num_tokens=1)).num_tokens_evicted  # one leaf
             total.num_tokens_evicted += freed
         return total
 
     def evictable_size(self) -> int:
-        return super().evictable_size() + self.segments.evictable_tokens
-
-    def protected_size(self) -> int:
-        return super().protected_size() + self.segments.protected_tokens
+        return super().evictable_size() + self.segments.tokens
 
     def stats(self) -> dict:
         pool = self.token_to_kv_pool_allocator.get_kvcache()
