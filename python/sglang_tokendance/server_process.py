@@ -45,9 +45,10 @@ class ServerProcess:
         else:
             module = "sglang_tokendance.launch_server"
         if log_path is None:
-            log_path = tempfile.mktemp(prefix="tokendance-server-", suffix=".log")
-        self.log_path = Path(log_path)
-        self._log = open(self.log_path, "wb")
+            self._log = tempfile.NamedTemporaryFile(prefix="tokendance-server-", suffix=".log", delete=False)
+        else:
+            self._log = open(log_path, "wb")
+        self.log_path = Path(self._log.name)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", module, *argv, "--host", "127.0.0.1", "--port", str(self.port)],
             env=child_env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
