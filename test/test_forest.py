@@ -55,7 +55,8 @@ def stock_prefix_results(smollm2_path):
 
 @pytest.fixture(scope="module")
 def server(smollm2_path):
-    with ServerProcess([]) as proc:
+    """Plain reuse (recompute ratio 0): the forest's own path; test_blend_server covers r > 0."""
+    with ServerProcess(["--tokendance-recompute-ratio", "0"]) as proc:
         yield proc.url
 
 

@@ -15,7 +15,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from sglang_tokendance.core.blend import BlendOptions
 from sglang_tokendance.core.segments import DEFAULT_SEPARATOR
+from sglang_tokendance.core.selection import GRANULARITIES, RULES
+
+SELECTION_RULES = tuple(RULES)
 
 ENV_VAR = "SGLANG_TOKENDANCE_CONFIG"
 FOREST_BACKEND = "tokendance"  # the radix-cache backend name of srt/forest.py
@@ -50,6 +54,29 @@ class TokenDanceArgs:
     )
     max_segments: int = _option(512, "Most segments one prompt may hold (more is a 400 error).")
 
+    recompute_ratio: float = _option(
+        0.3, "Share of each request's reused tokens recomputed by the blended prefill (0: plain reuse, "
+        "1: a full prefill)."
+    )
+    check_layer: int = _option(
+        1, "Layer at which reused tokens are scored; layers up to it run on every token (>= 1: "
+        "layer 0 carries no signal)."
+    )
+    selection: str = _option(
+        "attention-kv", "Rule that picks the reused tokens to recompute: "
+        + ", ".join(SELECTION_RULES) + "."
+    )
+    block_head_tokens: int = _option(0, "Always recompute the first this-many tokens of every reused segment.")
+    selection_granularity: str = _option(
+        "token", "Select single tokens, or whole blocks of --tokendance-block-size tokens (counted from "
+        "each segment's start): token or block."
+    )
+    block_size: int = _option(16, "Block length for --tokendance-selection-granularity block.")
+    sparse_writeback: bool = _option(
+        True, "Tokens not recomputed keep the reused KV at every layer, the probe layers included "
+        "(--no-tokendance-sparse-writeback keeps the probe's recomputed KV there)."
+    )
+
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
@@ -61,9 +88,17 @@ class TokenDanceArgs:
                 "--tokendance-separator",
                 f"{self.separator!r} must contain letters or digits and no surrounding whitespace",
             )
-        for name in ("min_segment_tokens", "max_segments"):
+        for name in ("min_segment_tokens", "max_segments", "check_layer", "block_size"):
             if getattr(self, name) < 1:
                 raise TokenDanceArgsError(flag_of(_field(name)), f"must be >= 1, got {getattr(self, name)}")
+        if self.block_head_tokens < 0:
+            raise TokenDanceArgsError(flag_of(_field("block_head_tokens")), f"must be >= 0, got {self.block_head_tokens}")
+        if not 0.0 <= self.recompute_ratio <= 1.0:
+            raise TokenDanceArgsError(flag_of(_field("recompute_ratio")), f"must be in [0, 1], got {self.recompute_ratio}")
+        for name, choices in (("selection", SELECTION_RULES), ("selection_granularity", GRANULARITIES)):
+            if getattr(self, name) not in choices:
+                raise TokenDanceArgsError(
+                    flag_of(_field(name)), f"must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
 
     # --- command line -------------------------------------------------------------------
 
@@ -71,7 +106,10 @@ class TokenDanceArgs:
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group("TokenDance")
         for f in dataclasses.fields(TokenDanceArgs):
-            if f.type in ("bool", bool):
+            if f.type in ("bool", bool) and f.default:
+                group.add_argument(flag_of(f), dest=f.name, default=True, action=argparse.BooleanOptionalAction,
+                                   help=f"{f.metadata['help']} (default: on)")
+            elif f.type in ("bool", bool):
                 group.add_argument(flag_of(f), dest=f.name, action="store_true", help=f.metadata["help"])
             else:
                 group.add_argument(
@@ -119,6 +157,12 @@ class TokenDanceArgs:
     @property
     def kv_enabled(self) -> bool:
         return not self.disable_tokendance
+
+    def blend_options(self) -> BlendOptions:
+        """The blended prefill's options (core/blend.py) from these flags."""
+        return BlendOptions(recompute_ratio=self.recompute_ratio, check_layer=self.check_layer,
+                            block_head_tokens=self.block_head_tokens, granularity=self.selection_granularity,
+                            block_size=self.block_size, sparse_writeback=self.sparse_writeback)
 
 
 def tokendance_info(args: TokenDanceArgs) -> dict[str, Any]:

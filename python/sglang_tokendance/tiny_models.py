@@ -1,4 +1,4 @@
-"""Tiny random-weight Llama and Qwen2 checkpoints for fast tests.
+"""Tiny random-weight Llama, Mistral, Qwen2 and Qwen3 checkpoints for fast tests.
 
 They share SmolLM2's tokenizer (copied from the prepared default model), so the same prompts
 and separators work on them, and they load in SGLang and HF transformers like real models.
@@ -29,15 +29,22 @@ TINY_SHAPES = dict(
 )
 
 
+TINY_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+
 def tiny_config(arch: str):
-    """A transformers config of the named family ("llama" or "qwen2") with tiny shapes."""
-    from transformers import LlamaConfig, Qwen2Config
+    """A transformers config of the named family (one of TINY_ARCHITECTURES) with tiny shapes."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     if arch == "llama":
         return LlamaConfig(**TINY_SHAPES, rope_theta=100000.0, rms_norm_eps=1e-5)
+    if arch == "mistral":
+        return MistralConfig(**TINY_SHAPES, rope_theta=1000000.0, rms_norm_eps=1e-5, sliding_window=None)
     if arch == "qwen2":
         return Qwen2Config(**TINY_SHAPES, rope_theta=1000000.0, rms_norm_eps=1e-6)
-    raise ValueError(f"unknown tiny model architecture {arch!r}; use 'llama' or 'qwen2'")
+    if arch == "qwen3":
+        return Qwen3Config(**TINY_SHAPES, rope_theta=1000000.0, rms_norm_eps=1e-6)
+    raise ValueError(f"unknown tiny model architecture {arch!r}; use one of {TINY_ARCHITECTURES}")
 
 
 def write_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0) -> Path:

@@ -27,3 +27,16 @@ def position_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
     )
     return out.transpose(0, 1)
+
+
+def attention_received(q: torch.Tensor, k: torch.Tensor, q_positions: torch.Tensor,
+                       k_positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """[nk] attention mass the queries pay each key (softmax weights summed over queries and
+    heads, same causal rule as position_masked_attention): how much a key's error can reach
+    the tokens that read it."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    k = k.repeat_interleave(heads // kv_heads, dim=1)
+    logits = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
+    mask = k_positions.unsqueeze(0) <= q_positions.unsqueeze(1)
+    weights = logits.masked_fill(~mask, float("-inf")).softmax(-1)
+    return weights.sum((0, 1))

@@ -10,12 +10,15 @@ whatever context and offset the first copy came from: reuse at any position is t
 Segment slots count against the same KV budget and share one LRU eviction with the tree's
 leaves; `/flush_cache` (reset) drops them with the tree.
 
-Reuse (recompute ratio 0): after SGLang allocates a batch's slots (`restore_segments`, an
-AFTER hook on ScheduleBatch.prepare_for_extend), every cached segment a request holds after
-its radix prefix is rotated to the request's own positions and written into its own slots;
-the model forward then computes only the other tokens (srt/model.py), found by request id.
-A request's approximate KV never enters the tree: it publishes only the part before its first
-reused token, and inserts only segments computed before it.
+Reuse: after SGLang allocates a batch's slots (`restore_segments`, an AFTER hook on
+ScheduleBatch.prepare_for_extend), every cached segment a request holds after its radix
+prefix is rotated to the request's own positions and written into its own slots; the model
+forward then runs core/blend's blended prefill (srt/model.py), which finds each request's
+reused runs by request id, recomputes the fresh tokens and the selected share of the reused
+ones (`--tokendance-recompute-ratio`). A request's approximate KV never enters the tree: it
+publishes only the part before its first reused token, and inserts only segments computed
+before it. Requests that ask for input-token logprobs take SGLang's path (a blended prefill
+has no hidden state at reused tokens).
 
 Output registration: a request sent with `"tokendance": {"register_output": true}` has its
 generated text cached as a segment when it finishes, if tokenising that text alone gives back
@@ -35,10 +38,12 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult
 from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 
+from sglang_tokendance.core.blend import BlendOptions, BlendStats, RequestRow, blended_prefill
 from sglang_tokendance.core.rope import RopeSpec, rotate, unrotate
 from sglang_tokendance.core.segment_table import SegmentTable
+from sglang_tokendance.core.selection import SelectionRule, rule_named
 from sglang_tokendance.server_args import TokenDanceArgs
-from sglang_tokendance.srt.model import SUPPORTED_ARCHITECTURES, forward_fresh_tokens
+from sglang_tokendance.srt.model import SUPPORTED_ARCHITECTURES, PoolKV, SGLangLayers
 from sglang_tokendance.core.segments import segment_hash
 from sglang_tokendance.srt.prompt_interface import REUSE_INFO_KEY, carried_spans, model_salt, wants_output_registered
 
@@ -46,12 +51,15 @@ logger = logging.getLogger(__name__)
 
 
 class SegmentForest(RadixCache):
-    def __init__(self, params, rope: RopeSpec | None, reuse: bool, outputs: OutputSegments | None = None):
+    def __init__(self, params, rope: RopeSpec | None, reuse: bool, outputs: OutputSegments | None = None,
+                 blend: BlendOptions = BlendOptions(), rule: SelectionRule | None = None):
         self.rope = rope
         self.reuse = reuse and rope is not None
         self.outputs = outputs
+        self.blend, self.rule = blend, rule
         self.segments = SegmentTable()
-        self.fresh_masks: dict[str, torch.Tensor] = {}  # rid -> extend tokens to compute
+        self.reused_runs: dict[str, list[tuple[int, int]]] = {}  # rid -> extend-relative reused runs
+        self.reuse_info: dict[str, dict] = {}  # rid -> its meta_info counts, completed after the forward
         super().__init__(params)
         if self.page_size != 1:
             raise ValueError(f"the tokendance radix cache needs --page-size 1, got {self.page_size}")
@@ -60,7 +68,8 @@ class SegmentForest(RadixCache):
 
     def reset(self) -> None:
         super().reset()
-        self.fresh_masks.clear()
+        self.reused_runs.clear()
+        self.reuse_info.clear()
         for slots in self.segments.clear():
             self.token_to_kv_pool_allocator.free(slots)
 
@@ -116,12 +125,12 @@ class SegmentForest(RadixCache):
 
     def _restore_one(self, req) -> dict | None:
         spans = carried_spans(req.sampling_params.custom_params)
-        if not spans or not self.reuse:
+        if not spans or not self.reuse or _wants_input_logprobs(req):
             return None
         prefix, extend_end = req.prefix_len, req.extend_end
         last_fresh = len(req.origin_input_ids) - 1  # the last prompt token is always computed
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
-        fresh = torch.ones(extend_end - prefix, dtype=torch.bool)
+        runs: list[tuple[int, int]] = []
         hits = misses = 0
         for span in spans:
             if span.start < prefix or min(span.end, extend_end, last_fresh) <= span.start:
@@ -133,23 +142,42 @@ class SegmentForest(RadixCache):
             hits += 1
             end = min(span.end, extend_end, last_fresh, span.start + len(entry))
             self._copy_kv(entry.slots[: end - span.start], row[span.start:end].to(torch.int64), span.start, rotate)
-            fresh[span.start - prefix:end - prefix] = False
-        reused = int((~fresh).sum())
-        if reused:
-            self.fresh_masks[req.rid] = fresh
-            req.tokendance_first_reused = prefix + int((~fresh).nonzero()[0])
-        return {"reused_tokens": reused, "computed_tokens": len(fresh) - reused,
+            runs.append((span.start - prefix, end - prefix))
+        reused = sum(b - a for a, b in runs)
+        info = {"reused_tokens": reused, "recomputed_tokens": 0, "computed_tokens": extend_end - prefix - reused,
                 "segment_hits": hits, "segment_misses": misses}
+        if reused:
+            self.reused_runs[req.rid] = runs
+            self.reuse_info[req.rid] = info
+            req.tokendance_first_reused = prefix + runs[0][0]
+        return info
 
-    def take_fresh_mask(self, forward_batch) -> torch.Tensor | None:
-        """The fresh-token mask of an extend batch in which some request reuses, else None."""
-        masks = [self.fresh_masks.pop(rid, None) for rid in forward_batch.rids]
-        if all(m is None for m in masks):
+    def record_recompute(self, rids: list[str], rows: list[RequestRow], stats: BlendStats) -> None:
+        """Move the recomputed reused tokens from `reused_tokens` to `computed_tokens`."""
+        if stats.kept is None:
+            return
+        start = 0
+        for rid, row in zip(rids, rows):
+            n = sum(b - a for a, b in row.reused)
+            info = self.reuse_info.pop(rid, None)
+            if info is not None:
+                kept = int(stats.kept[start:start + n].sum())
+                info.update(reused_tokens=n - kept, recomputed_tokens=kept,
+                            computed_tokens=info["computed_tokens"] + kept)
+            start += n
+
+    def take_reuse_rows(self, forward_batch) -> list[RequestRow] | None:
+        """The blended prefill's view of an extend batch in which some request reuses, else None."""
+        runs = [self.reused_runs.pop(rid, None) for rid in forward_batch.rids]
+        if all(r is None for r in runs):
             return None
-        return torch.cat([
-            m if m is not None else torch.ones(n, dtype=torch.bool)
-            for m, n in zip(masks, forward_batch.extend_seq_lens_cpu)
-        ]).to(forward_batch.input_ids.device)
+        req_to_token = self.req_to_token_pool.req_to_token
+        return [
+            RequestRow(prefix, extend, req_to_token[pool_index, :prefix + extend], reused=r or ())
+            for r, prefix, extend, pool_index in zip(runs, forward_batch.extend_prefix_lens_cpu,
+                                                     forward_batch.extend_seq_lens_cpu,
+                                                     forward_batch.req_pool_indices.tolist())
+        ]
 
     def _copy_kv(self, src: torch.Tensor, dst: torch.Tensor, start: int, k_transform) -> None:
         """Copy every layer's K and V from slots `src` to `dst`; K passes through
@@ -197,6 +225,10 @@ def _first_reused(req) -> int:
     return getattr(req, "tokendance_first_reused", 1 << 62)
 
 
+def _wants_input_logprobs(req) -> bool:
+    return bool(req.return_logprob) and 0 <= req.logprob_start_len < len(req.origin_input_ids) - 1
+
+
 class OutputSegments:
     """What output registration needs in the scheduler: the tokenizer and the hash salt of
     the tokenizer manager's segments (loaded on first use)."""
@@ -238,9 +270,14 @@ def build_forest(ctx: TreeCacheBuildContext) -> SegmentForest:
         logger.warning("TokenDance segment caching is off for this model: %s", e)
         rope = None
     args = TokenDanceArgs.from_env()
-    reuse = args.kv_enabled and list(hf_config.architectures or []) == list(SUPPORTED_ARCHITECTURES)
+    architectures = list(hf_config.architectures or [])
+    reuse = args.kv_enabled and len(architectures) == 1 and architectures[0] in SUPPORTED_ARCHITECTURES
+    if reuse and args.recompute_ratio > 0 and args.check_layer >= hf_config.num_hidden_layers:
+        raise ValueError(f"--tokendance-check-layer {args.check_layer} must be below the model's "
+                         f"{hf_config.num_hidden_layers} layers")
     outputs = OutputSegments(ctx.server_args, args.min_segment_tokens)
-    forest = SegmentForest(ctx.params, rope, reuse=reuse, outputs=outputs)
+    forest = SegmentForest(ctx.params, rope, reuse=reuse, outputs=outputs, blend=args.blend_options(),
+                           rule=rule_named(args.selection))
     global ACTIVE
     ACTIVE = forest
     return forest
@@ -265,14 +302,21 @@ def restore_after_allocation(result, batch, *unused, **unused_kw):
     return result
 
 
-def llama_forward(original, model, input_ids, positions, forward_batch, *args, **kwargs):
-    """AROUND hook on LlamaModel.forward: batches with reused segments compute fresh tokens only."""
-    fresh = None
+def model_forward(original, model, input_ids, positions, forward_batch, *args, **kwargs):
+    """AROUND hook on the decoder forwards of srt/model.py: extend batches with reused
+    segments run the blended prefill; every other batch runs SGLang's own forward."""
+    rows = None
     if ACTIVE is not None and forward_batch.forward_mode.is_extend():
-        fresh = ACTIVE.take_fresh_mask(forward_batch)
-    if fresh is None:
+        rows = ACTIVE.take_reuse_rows(forward_batch)
+    if rows is None:
         return original(model, input_ids, positions, forward_batch, *args, **kwargs)
-    return forward_fresh_tokens(model, input_ids, positions, forward_batch, fresh)
+    from sglang.srt.model_executor.forward_context import get_token_to_kv_pool
+
+    layers = SGLangLayers(model, forward_batch)
+    hidden, stats = blended_prefill(layers, PoolKV(get_token_to_kv_pool(), layers), input_ids, positions, rows,
+                                    ACTIVE.blend, ACTIVE.rule)
+    ACTIVE.record_recompute(forward_batch.rids, rows, stats)
+    return hidden
 
 
 def add_forest_stats(result, scheduler, *unused, **unused_kw):

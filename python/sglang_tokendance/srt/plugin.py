@@ -38,6 +38,7 @@ def _register_forest() -> None:
 
     from sglang_tokendance.server_args import FOREST_BACKEND
     from sglang_tokendance.srt import forest
+    from sglang_tokendance.srt.model import FORWARD_HOOK_TARGETS
 
     if FOREST_BACKEND not in registered_radix_cache_backends():
         register_radix_cache_backend(FOREST_BACKEND, forest.build_forest)
@@ -48,7 +49,8 @@ def _register_forest() -> None:
         "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend",
         forest.restore_after_allocation, HookType.AFTER,
     )
-    HookRegistry.register("sglang.srt.models.llama.LlamaModel.forward", forest.llama_forward, HookType.AROUND)
+    for target in FORWARD_HOOK_TARGETS:
+        HookRegistry.register(target, forest.model_forward, HookType.AROUND)
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler.get_output_streamer_class",
         forest.output_streamer_class, HookType.REPLACE,

@@ -1,0 +1,392 @@
+"""Quality of blended prefill against a full prefill: the code behind `python -m
+sglang_tokendance.bench_quality`.
+
+It runs our blended prefill (core/blend) in-process on SmolLM2 through HF's modules
+(bench/hf_layerwise.py), on All-Gather rounds in chat format (bench/workloads.py): each agent's
+prompt is its private history (system turn) and every agent's message block in its own
+order (user turn). Each block's KV is cached where its author produced it -- after the
+author's own prompt, as the server's output registration caches it -- un-rotated, and rotated
+into place on reuse, exactly as the forest does.
+
+Per agent prompt and setting (rule x recompute ratio x check layer) it measures, against the
+full prefill of the same ids: next-token KL(full || blended) over the whole vocabulary, top-1
+and top-5 agreement, the common-prefix length of greedy continuations, and the work done
+(token-layers computed). The probe layers 0..c are computed once per check layer and shared
+by every rule and ratio. A multi-round simulation (outputs become the next round's blocks,
+registered with their authors' KV) gives the rounds to first divergence per setting.
+The oracle rule scores tokens by their true KV deviation from the full prefill (a ceiling).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Iterable, Sequence
+
+import torch
+from tqdm import tqdm
+
+from sglang_tokendance.bench.hf_layerwise import DenseKV, HFLayerwise
+from sglang_tokendance.bench.workloads import Simulation, make_simulation, message_block, preset_config
+from sglang_tokendance.core.blend import BlendOptions, RequestRow, blended_prefill, finish, probe, select
+from sglang_tokendance.core.rope import RopeSpec, rotate, unrotate
+from sglang_tokendance.core.segments import DEFAULT_SEPARATOR, Segmenter, SegmentedPrompt, segment_hash
+from sglang_tokendance.core.selection import fixed_scores, rule_named
+
+ORACLE, PLAIN, FULL = "oracle", "plain", "full"
+
+
+@dataclass(frozen=True)
+class Setting:
+    rule: str  # a selection rule, ORACLE, PLAIN (ratio 0) or FULL (the reference)
+    ratio: float = 0.0
+    check_layer: int = 1
+
+    @property
+    def label(self) -> str:
+        if self.rule in (PLAIN, FULL):
+            return self.rule
+        return f"{self.rule} r={self.ratio:g} c={self.check_layer}"
+
+
+@dataclass(frozen=True)
+class QualityConfig:
+    num_agents: tuple[int, ...] = (4, 10)
+    rules: tuple[str, ...] = ("cacheblend-k", "cacheblend-kv", "attention-kv")
+    ratios: tuple[float, ...] = (0.15, 0.3, 0.5, 0.8)
+    check_layers: tuple[int, ...] = (1,)
+    oracle: bool = True
+    options: BlendOptions = BlendOptions()  # granularity, block size, head tokens, write-back
+    continuation_tokens: int = 32
+    simulation_agents: int = 4
+    simulation_rounds: int = 3
+    simulation_settings: tuple[Setting, ...] = ()  # default: plain + every rule at ratio 0.3
+    preset: str = "generative_agents"
+    history_words: int = 150
+    block_words: int = 60
+    seed: int = 0
+
+
+@dataclass
+class Sample:
+    """One agent prompt under one setting."""
+
+    agents: int
+    agent: int
+    setting: str
+    rule: str
+    ratio: float
+    check_layer: int
+    prompt_tokens: int
+    reused_tokens: int
+    kept_tokens: int
+    token_layers: int
+    full_token_layers: int
+    kl: float
+    top1: bool
+    top5: float
+    common_prefix: int  # of the greedy continuations, out of continuation_tokens
+    continuation_tokens: int  # the full prefill's continuation (shorter if it ended early)
+
+
+class SegmentStore:
+    """Cached segments: hash -> (un-rotated K, V) [layers, n, kv_heads, d], first copy kept."""
+
+    def __init__(self, spec: RopeSpec):
+        self.spec = spec
+        self.entries: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def add(self, segment_hash: str, kv: DenseKV, start: int, n: int) -> None:
+        if segment_hash in self.entries or n <= 0:
+            return
+        at = torch.arange(start, start + n)
+        self.entries[segment_hash] = (torch.stack([unrotate(kv.k[l, at], at, self.spec) for l in range(kv.k.shape[0])]),
+                                      kv.v[:, at].clone())
+
+    def place(self, prompt: SegmentedPrompt, kv: DenseKV) -> list[tuple[int, int]]:
+        """Rotate every cached segment of `prompt` into its slots; return the reused runs."""
+        runs = []
+        last = len(prompt.input_ids) - 1  # the last prompt token is always computed
+        for span in prompt.spans:
+            entry = self.entries.get(span.hash)
+            if entry is None:
+                continue
+            end = min(span.end, last, span.start + entry[0].shape[1])
+            at = torch.arange(span.start, end)
+            for layer in range(kv.k.shape[0]):
+                kv.k[layer, at] = rotate(entry[0][layer, :end - span.start], at, self.spec)
+                kv.v[layer, at] = entry[1][layer, :end - span.start]
+            runs.append((span.start, end))
+        return runs
+
+
+class QualityRunner:
+    """The model, tokenizer and chat-prompt building shared by every measurement."""
+
+    def __init__(self, model_path: str):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.manual_seed(0)
+        lm = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        self.model = HFLayerwise(lm)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.spec = RopeSpec.from_hf_config(lm.config)
+        self.segmenter = Segmenter(self.tokenizer, model_salt=b"quality", vocab_size=lm.config.vocab_size,
+                                   special_tokens=self.tokenizer.all_special_tokens)
+        self.eos = set(self.tokenizer.all_special_ids)
+
+    # --- prompts ------------------------------------------------------------------------
+
+    def chat(self, system: str, user_pieces: Sequence[str]) -> SegmentedPrompt:
+        """A chat prompt whose user turn is `user_pieces` joined by separators."""
+        text = self.tokenizer.apply_chat_template(
+            [{"role": "system", "content": system},
+             {"role": "user", "content": DEFAULT_SEPARATOR.join(user_pieces)}],
+            tokenize=False, add_generation_prompt=True)
+        return self.segmenter.from_pieces(self.segmenter.split_text(text), add_special_tokens=False)
+
+    def agent_prompt(self, sim: Simulation, agent: int, round_index: int, blocks: Sequence[str]) -> SegmentedPrompt:
+        pieces = sim.prompt_pieces(agent, round_index, blocks)
+        return self.chat(pieces[0], pieces[1:])
+
+    def segment_ids(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def hash(self, ids: Sequence[int]) -> str:
+        return segment_hash(ids, self.segmenter.model_salt)
+
+    # --- forwards -----------------------------------------------------------------------
+
+    def new_kv(self, tokens: int) -> DenseKV:
+        return DenseKV(self.model.num_layers, tokens, *self.model.kv_shape())
+
+    @torch.no_grad()
+    def prefill(self, ids: list[int], kv: DenseKV, reused: list[tuple[int, int]], options: BlendOptions,
+                rule=None):
+        t = torch.tensor(ids)
+        row = RequestRow(0, len(ids), torch.arange(kv.k.shape[1]), reused=reused)
+        hidden, stats = blended_prefill(self.model, kv, t, torch.arange(len(ids)), [row], options, rule)
+        return self.model.logits(hidden[-1]), stats
+
+    @torch.no_grad()
+    def greedy(self, kv: DenseKV, prompt_len: int, logits: torch.Tensor, steps: int) -> list[int]:
+        """Greedy continuation after a prefill whose KV is in `kv` (it needs room for it)."""
+        out = []
+        for p in range(prompt_len, prompt_len + steps):
+            token = int(logits.argmax())
+            out.append(token)
+            if token in self.eos or p + 1 > kv.k.shape[1]:
+                break
+            row = RequestRow(p, 1, torch.arange(p + 1))
+            hidden, _ = blended_prefill(self.model, kv, torch.tensor([token]), torch.tensor([p]), [row],
+                                        BlendOptions(), None)
+            logits = self.model.logits(hidden[-1])
+        return out
+
+    def seed_store(self, sim: Simulation) -> SegmentStore:
+        """Each seed message's KV as its author produced it: after the author's own prompt."""
+        store = SegmentStore(self.spec)
+        for j, message in enumerate(sim.seed_messages):
+            context = self.chat(sim.agents[j].history, [sim.instruction(j, 0)]).input_ids
+            message_ids = self.segment_ids(message)
+            kv = self.new_kv(len(context) + len(message_ids))
+            self.prefill(context + message_ids, kv, [], BlendOptions())
+            store.add(self.hash(message_ids), kv, len(context), len(message_ids))
+        return store
+
+
+def kl_top(full: torch.Tensor, blended: torch.Tensor) -> tuple[float, bool, float]:
+    """KL(full || blended) of next-token distributions, top-1 agreement, top-5 overlap."""
+    p, q = full.log_softmax(-1), blended.log_softmax(-1)
+    kl = float(torch.sum(p.exp() * (p - q)))
+    top5 = len(set(full.topk(5).indices.tolist()) & set(blended.topk(5).indices.tolist())) / 5
+    return kl, bool(full.argmax() == blended.argmax()), top5
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def oracle_scores(full_kv: DenseKV, reused_kv: DenseKV, runs: list[tuple[int, int]]) -> torch.Tensor:
+    """True deviation of each reused token's KV from the full prefill's, summed over layers
+    (each layer normalised by its mean so that no layer dominates)."""
+    at = torch.cat([torch.arange(a, b) for a, b in runs])
+    dev = ((full_kv.k[:, at] - reused_kv.k[:, at]).pow(2).sum((2, 3))
+           + (full_kv.v[:, at] - reused_kv.v[:, at]).pow(2).sum((2, 3)))  # [layers, R]
+    return (dev / dev.mean(1, keepdim=True).clamp_min(1e-12)).sum(0)
+
+
+@torch.no_grad()
+def evaluate_prompt(runner: QualityRunner, prompt: SegmentedPrompt, store: SegmentStore, config: QualityConfig,
+                    agents: int, agent: int) -> list[Sample]:
+    """Every setting of `config` on one prompt (probe layers shared per check layer)."""
+    ids, steps = prompt.input_ids, config.continuation_tokens
+    room = len(ids) + steps
+    full_kv = runner.new_kv(room)
+    full_logits, full_stats = runner.prefill(ids, full_kv, [], BlendOptions())
+    reference = runner.greedy(full_kv, len(ids), full_logits, steps)
+    reused_kv = runner.new_kv(room)
+    runs = store.place(prompt, reused_kv)
+    samples = []
+
+    def record(setting: Setting, logits, kv, stats):
+        kl, top1, top5 = kl_top(full_logits, logits)
+        cont = runner.greedy(kv, len(ids), logits, steps)
+        samples.append(Sample(agents, agent, setting.label, setting.rule, setting.ratio, setting.check_layer,
+                              len(ids), stats.reused_tokens, stats.kept_tokens, stats.token_layers,
+                              stats.full_token_layers, kl, top1, top5, common_prefix(reference, cont), len(reference)))
+
+    kv = _clone(reused_kv)
+    logits, stats = runner.prefill(ids, kv, runs, BlendOptions())
+    record(Setting(PLAIN), logits, kv, stats)
+    rules = {name: rule_named(name) for name in config.rules}
+    if config.oracle:
+        rules[ORACLE] = fixed_scores(ORACLE, oracle_scores(full_kv, reused_kv, runs))
+    t = torch.tensor(ids)
+    row = RequestRow(0, len(ids), torch.arange(room), reused=runs)
+    for c in config.check_layers:
+        probed_kv = _clone(reused_kv)
+        checked = probe(runner.model, probed_kv, t, torch.arange(len(ids)), [row], c, with_attention=True)
+        for name, rule in rules.items():
+            for ratio in config.ratios:
+                options = _with(config.options, recompute_ratio=ratio, check_layer=c)
+                kv = _clone(probed_kv)
+                hidden, stats = finish(runner.model, kv, checked, select(checked, rule, options), options)
+                record(Setting(name, ratio, c), runner.model.logits(hidden[-1]), kv, stats)
+    return samples
+
+
+def measure_prompts(runner: QualityRunner, config: QualityConfig) -> list[Sample]:
+    samples = []
+    for n in config.num_agents:
+        sim = make_simulation(_workload(config, n, rounds=1))
+        store = runner.seed_store(sim)
+        for i in tqdm(range(n), desc=f"quality N={n}", unit="agent"):
+            prompt = runner.agent_prompt(sim, i, 0, sim.seed_messages)
+            samples.extend(evaluate_prompt(runner, prompt, store, config, n, i))
+    return samples
+
+
+@dataclass
+class SimulationResult:
+    setting: str
+    agents: int
+    rounds: int
+    first_divergence: int | None  # 1-based round whose outputs first differ from full prefill's
+    outputs: list[list[str]] = field(repr=False, default_factory=list)
+
+
+@torch.no_grad()
+def simulate(runner: QualityRunner, sim: Simulation, setting: Setting, options: BlendOptions,
+             steps: int) -> list[list[list[int]]]:
+    """Every round's outputs (token ids per agent); outputs are registered as segments with
+    their authors' KV (all but the last token, as the server does)."""
+    store = runner.seed_store(sim)
+    blocks, rounds = list(sim.seed_messages), []
+    rule = None if setting.rule in (PLAIN, FULL) else rule_named(setting.rule)
+    blend = _with(options, recompute_ratio=setting.ratio, check_layer=setting.check_layer)
+    for r in range(sim.config.num_rounds):
+        outputs = []
+        for i in range(len(sim.agents)):
+            prompt = runner.agent_prompt(sim, i, r, blocks)
+            kv = runner.new_kv(len(prompt.input_ids) + steps)
+            runs = [] if setting.rule == FULL else store.place(prompt, kv)
+            logits, _ = runner.prefill(prompt.input_ids, kv, runs, blend if runs else BlendOptions(), rule)
+            out = runner.greedy(kv, len(prompt.input_ids), logits, steps)
+            outputs.append(out)
+            text = runner.tokenizer.decode(out, skip_special_tokens=True)
+            ids = runner.segment_ids(text)
+            if out[:len(ids)] == ids and len(ids) >= runner.segmenter.min_segment_tokens:
+                store.add(runner.hash(ids), kv, len(prompt.input_ids), min(len(ids), len(out) - 1))
+        rounds.append(outputs)
+        blocks = [message_block(runner.tokenizer.decode(o, skip_special_tokens=True)) for o in outputs]
+    return rounds
+
+
+def measure_divergence(runner: QualityRunner, config: QualityConfig) -> list[SimulationResult]:
+    sim = make_simulation(_workload(config, config.simulation_agents, rounds=config.simulation_rounds))
+    settings = config.simulation_settings or (
+        Setting(PLAIN), *(Setting(rule, 0.3, config.check_layers[0]) for rule in config.rules))
+    steps = config.continuation_tokens
+    reference = simulate(runner, sim, Setting(FULL), config.options, steps)
+    results = []
+    for setting in tqdm(settings, desc="simulations", unit="setting"):
+        rounds = simulate(runner, sim, setting, config.options, steps)
+        diverged = next((r + 1 for r, (a, b) in enumerate(zip(reference, rounds)) if a != b), None)
+        results.append(SimulationResult(setting.label, len(sim.agents), len(rounds), diverged,
+                                        [[runner.tokenizer.decode(o) for o in outs] for outs in rounds]))
+    return results
+
+
+@torch.no_grad()
+def prefill_timing(runner: QualityRunner, config: QualityConfig, setting: Setting, agents: int) -> dict:
+    """Wall time of one round's prefills, full vs blended at `setting`, measured in one run."""
+    sim = make_simulation(_workload(config, agents, rounds=1))
+    store = runner.seed_store(sim)
+    options = _with(config.options, recompute_ratio=setting.ratio, check_layer=setting.check_layer)
+    rule = rule_named(setting.rule)
+    full = blended = 0.0
+    work = [0, 0]
+    for i in range(agents):
+        prompt = runner.agent_prompt(sim, i, 0, sim.seed_messages)
+        ids = prompt.input_ids
+        start = time.perf_counter()
+        runner.prefill(ids, runner.new_kv(len(ids)), [], BlendOptions())
+        full += time.perf_counter() - start
+        kv = runner.new_kv(len(ids))
+        start = time.perf_counter()
+        runs = store.place(prompt, kv)
+        _, stats = runner.prefill(ids, kv, runs, options, rule)
+        blended += time.perf_counter() - start
+        work[0] += stats.token_layers
+        work[1] += stats.full_token_layers
+    return {"setting": setting.label, "agents": agents, "full_s": full, "blended_s": blended,
+            "time_ratio": blended / full, "work_ratio": work[0] / work[1]}
+
+
+def _workload(config: QualityConfig, agents: int, rounds: int):
+    return preset_config(config.preset, num_agents=agents, num_rounds=rounds, history_words=config.history_words,
+                         block_words=config.block_words, max_new_tokens=config.continuation_tokens, seed=config.seed)
+
+
+def _clone(kv: DenseKV) -> DenseKV:
+    copy = DenseKV.__new__(DenseKV)
+    copy.k, copy.v = kv.k.clone(), kv.v.clone()
+    return copy
+
+
+def _with(options: BlendOptions, **changes) -> BlendOptions:
+    from dataclasses import replace
+
+    return replace(options, **changes)
+
+
+def summarize(samples: Iterable[Sample]) -> list[dict]:
+    """Means over agents per (N, setting)."""
+    groups: dict[tuple, list[Sample]] = {}
+    for s in samples:
+        groups.setdefault((s.agents, s.setting), []).append(s)
+    rows = []
+    for (agents, setting), group in groups.items():
+        n = len(group)
+        reused = sum(s.reused_tokens for s in group)
+        rows.append({
+            "agents": agents, "setting": setting, "rule": group[0].rule, "ratio": group[0].ratio,
+            "check_layer": group[0].check_layer,
+            "kl": sum(s.kl for s in group) / n, "kl_max": max(s.kl for s in group),
+            "top1": sum(s.top1 for s in group) / n, "top5": sum(s.top5 for s in group) / n,
+            "common_prefix": sum(s.common_prefix for s in group) / n,
+            "recomputed_share": sum(s.kept_tokens for s in group) / max(reused, 1),
+            "work": sum(s.token_layers for s in group) / sum(s.full_token_layers for s in group),
+            "prompt_tokens": sum(s.prompt_tokens for s in group) / n, "reused_tokens": reused / n,
+        })
+    return rows
+
+
+def sample_dicts(samples: Iterable[Sample]) -> list[dict]:
+    return [asdict(s) for s in samples]

@@ -1,0 +1,232 @@
+"""Blended prefill: reuse cached KV for most tokens and recompute the few that matter.
+
+An extend batch's tokens are either fresh (private text, missed segments, the last prompt
+token: no KV yet) or reused (their segment's cached KV was rotated into their slots before the
+forward). With recompute ratio r > 0:
+
+1. probe: layers 0..c run on every token, writing their recomputed KV (a full prefill of
+   those layers; the reused tokens' cached KV is kept aside);
+2. check: a selection rule (core/selection.py) scores the reused tokens at layer c and the
+   top r of them (per request) are kept for recompute;
+3. layers c+1..L-1 run on the fresh and kept tokens only; the others keep their cached KV.
+
+With sparse write-back (default) the tokens not kept get their cached KV back at layers 0..c
+too, so a request's KV differs from the cached segments only at kept tokens -- what a compact
+Master-Mirror diff needs. The fresh and kept tokens carry on from their probe states.
+r = 1 is a full prefill; r = 0 recomputes nothing, not even the probe: only fresh tokens run,
+attending to the cached KV at every layer.
+
+Attention is causal by absolute position over each request's whole KV row
+(core/attention.position_masked_attention), so any subset of tokens can be computed.
+The model and the KV storage come in through two small protocols, so the same code runs
+inside SGLang (srt/model.py) and in the quality harness (bench/).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import torch
+
+from sglang_tokendance.core.attention import attention_received, position_masked_attention
+from sglang_tokendance.core.selection import CheckState, ReusedSegment, SelectionRule, select_kept
+
+
+class LayerwiseModel(Protocol):
+    """A decoder-only transformer driven one layer at a time."""
+
+    num_layers: int
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor: ...
+
+    def qkv(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [n, heads, d] and k, v [n, kv_heads, d], K rotated at `positions`."""
+
+    def attention_scale(self, layer: int) -> float: ...
+
+    def finish_layer(self, layer: int, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The layer's output given its input and the attention output [n, heads * d]."""
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+class KVStore(Protocol):
+    """Per-layer KV buffers indexed by slot ([slots, kv_heads, d])."""
+
+    def keys(self, layer: int) -> torch.Tensor: ...
+
+    def values(self, layer: int) -> torch.Tensor: ...
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
+
+
+@dataclass(frozen=True)
+class BlendOptions:
+    recompute_ratio: float = 0.0
+    check_layer: int = 1
+    block_head_tokens: int = 0
+    granularity: str = "token"
+    block_size: int = 16
+    sparse_writeback: bool = True
+
+
+@dataclass
+class RequestRow:
+    """One request of the batch: its `num_tokens` extend tokens follow `prefix_len` tokens
+    already in its KV row `slots` ([prefix_len + num_tokens]); `reused` lists its runs of
+    reused tokens, relative to its first extend token."""
+
+    prefix_len: int
+    num_tokens: int
+    slots: torch.Tensor
+    reused: Sequence[tuple[int, int]] = ()
+
+
+@dataclass
+class BlendStats:
+    """Work done, in token-layers, and what was kept (for reports and tests)."""
+
+    token_layers: int = 0
+    full_token_layers: int = 0
+    reused_tokens: int = 0
+    kept_tokens: int = 0
+    kept: torch.Tensor | None = field(default=None, repr=False)  # mask over the reused tokens
+
+
+def blended_prefill(model: LayerwiseModel, kv: KVStore, ids: torch.Tensor, positions: torch.Tensor,
+                    requests: Sequence[RequestRow], options: BlendOptions,
+                    rule: SelectionRule | None) -> tuple[torch.Tensor, BlendStats]:
+    """Final normed hidden states [tokens, hidden] (zeros at rows not computed: reused tokens
+    not kept) for the flattened extend tokens of `requests`."""
+    batch = _Batch(requests, positions, ids)
+    if not batch.stats.reused_tokens or options.recompute_ratio <= 0:
+        computed = ~batch.reused
+        return _run_layers(model, kv, batch, model.embed(ids[computed]), computed, 0, batch.stats)
+    if rule is None:
+        raise ValueError("a recompute ratio above 0 needs a selection rule")
+    checked = probe(model, kv, ids, positions, requests, options.check_layer, rule.needs_attention)
+    return finish(model, kv, checked, select(checked, rule, options), options)
+
+
+@dataclass
+class Probe:
+    """The state after layers 0..c ran on every token (shareable by several selections)."""
+
+    batch: "_Batch"
+    check_layer: int
+    hidden: torch.Tensor
+    state: CheckState
+
+
+def probe(model: LayerwiseModel, kv: KVStore, ids: torch.Tensor, positions: torch.Tensor,
+          requests: Sequence[RequestRow], check_layer: int, with_attention: bool) -> Probe:
+    """Layers 0..c on every token, recomputed KV written; the reused tokens' cached KV of
+    those layers is kept in the CheckState (for scoring and sparse write-back)."""
+    if not 1 <= check_layer < model.num_layers:
+        raise ValueError(f"check layer must be in [1, {model.num_layers - 1}], got {check_layer}")
+    batch = _Batch(requests, positions, ids)
+    reused, everything = batch.reused, torch.arange(ids.shape[0], device=ids.device)
+    reused_locs = batch.locs[reused]
+    state = CheckState()
+    hidden = model.embed(ids)
+    for layer in range(check_layer + 1):
+        state.cached_k.append(kv.keys(layer)[reused_locs].clone())
+        state.cached_v.append(kv.values(layer)[reused_locs].clone())
+        attention_from = reused if with_attention and layer == check_layer else None
+        hidden, k, v = _layer(model, kv, batch, layer, hidden, everything, attention_from, state)
+        state.computed_k.append(k[reused])
+        state.computed_v.append(v[reused])
+    batch.stats.token_layers += ids.shape[0] * (check_layer + 1)
+    return Probe(batch, check_layer, hidden, state)
+
+
+def select(checked: Probe, rule: SelectionRule, options: BlendOptions) -> torch.Tensor:
+    """The kept mask over the reused tokens under `options`."""
+    return select_kept(rule.score(checked.state), checked.batch.reused_segments(), options.recompute_ratio,
+                       granularity=options.granularity, block_size=options.block_size,
+                       head_tokens=options.block_head_tokens)
+
+
+def finish(model: LayerwiseModel, kv: KVStore, checked: Probe, kept: torch.Tensor,
+           options: BlendOptions) -> tuple[torch.Tensor, BlendStats]:
+    """Layers c+1..L-1 on the fresh and kept tokens (after sparse write-back, if on)."""
+    batch, c, state = checked.batch, checked.check_layer, checked.state
+    if options.sparse_writeback:
+        dropped = batch.locs[batch.reused][~kept]
+        for layer in range(c + 1):
+            kv.write(layer, dropped, state.cached_k[layer][~kept], state.cached_v[layer][~kept])
+    computed = ~batch.reused
+    computed[batch.reused] = kept
+    stats = dataclasses.replace(batch.stats, kept=kept, kept_tokens=int(kept.sum()))
+    return _run_layers(model, kv, batch, checked.hidden[computed], computed, c + 1, stats)
+
+
+def _run_layers(model, kv, batch: "_Batch", hidden, computed: torch.Tensor, first_layer: int,
+                stats: BlendStats) -> tuple[torch.Tensor, BlendStats]:
+    rows = computed.nonzero().squeeze(1)
+    for layer in range(first_layer, model.num_layers):
+        hidden, _, _ = _layer(model, kv, batch, layer, hidden, rows)
+    stats = dataclasses.replace(stats, full_token_layers=computed.numel() * model.num_layers,
+                                token_layers=stats.token_layers + rows.numel() * (model.num_layers - first_layer))
+    out = hidden.new_zeros(computed.numel(), hidden.shape[1])
+    out[rows] = model.final_norm(hidden)
+    return out, stats
+
+
+def _layer(model, kv, batch: "_Batch", layer, hidden, rows, received=None, state=None):
+    """One layer for the tokens `rows` (batch indices): write their KV, attend by position.
+    With `received` (the reused mask), also store in `state` the attention mass the fresh
+    queries pay each reused token."""
+    pos = batch.positions[rows]
+    q, k, v = model.qkv(layer, hidden, pos)
+    kv.write(layer, batch.locs[rows], k, v)
+    keys, values, scale = kv.keys(layer), kv.values(layer), model.attention_scale(layer)
+    out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
+    mass = []
+    for local, r, start in batch.views(rows):
+        seq_len = r.prefix_len + r.num_tokens
+        slots, kv_pos = r.slots[:seq_len].to(torch.int64), torch.arange(seq_len, device=rows.device)
+        out[local] = position_masked_attention(q[local], keys[slots], values[slots], pos[local], kv_pos, scale)
+        if received is not None:
+            fresh_q = local[~received[rows[local]]]
+            got = attention_received(q[fresh_q], keys[slots], pos[fresh_q], kv_pos, scale)
+            mass.append(got[r.prefix_len:][received[start:start + r.num_tokens]])
+    if received is not None:
+        state.attention_received = torch.cat(mass)
+    return model.finish_layer(layer, hidden, out.flatten(1)), k, v
+
+
+class _Batch:
+    """Index bookkeeping of a flattened extend batch."""
+
+    def __init__(self, requests: Sequence[RequestRow], positions: torch.Tensor, ids: torch.Tensor):
+        self.requests = list(requests)
+        self.positions = positions
+        self.starts = []
+        start = 0
+        for r in self.requests:
+            self.starts.append(start)
+            start += r.num_tokens
+        if start != ids.shape[0]:
+            raise ValueError(f"the requests hold {start} extend tokens but {ids.shape[0]} ids were given")
+        self.locs = torch.cat([r.slots[r.prefix_len:r.prefix_len + r.num_tokens] for r in self.requests]).to(torch.int64)
+        self.reused = torch.zeros(start, dtype=torch.bool, device=ids.device)
+        for first, r in zip(self.starts, self.requests):
+            for a, b in r.reused:
+                self.reused[first + a:first + b] = True
+        self.stats = BlendStats(reused_tokens=int(self.reused.sum()))
+
+    def reused_segments(self) -> list[list[ReusedSegment]]:
+        return [[ReusedSegment(start + a, start + b) for a, b in r.reused]
+                for start, r in zip(self.starts, self.requests)]
+
+    def views(self, rows: torch.Tensor):
+        """Per request with tokens among `rows`: (their indices into rows, the request, its
+        first batch index)."""
+        for start, r in zip(self.starts, self.requests):
+            local = ((rows >= start) & (rows < start + r.num_tokens)).nonzero().squeeze(1)
+            if local.numel():
+                yield local, r, start

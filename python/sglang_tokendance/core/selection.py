@@ -1,0 +1,127 @@
+"""Which reused tokens a blended prefill recomputes: scoring rules and the top-r choice.
+
+A rule scores each reused token at the check layer c from what the probe pass saw there (the
+token's cached KV next to its freshly computed KV, and optionally how much attention the
+request's fresh tokens pay it); `select_kept` turns scores into the kept set under a budget of
+r x (reused tokens) per request, at token or block granularity (blocks of `block_size` tokens
+counted from each reused segment's start), with the first `block_head_tokens` of every
+segment always kept.
+
+Rules (`--tokendance-selection`):
+* cacheblend-k / cacheblend-v / cacheblend-kv: CacheBlend's deviation of K, V or both at
+  layer c (squared L2 over heads) -- the baseline.
+* attention-kv: our rule. A reused token's error reaches the output only through the
+  attention later tokens pay it, so its KV deviation at every probe layer 1..c (each layer's
+  deviations normalised by their mean, so no layer dominates) is weighted by the attention
+  mass the fresh tokens (private text, suffix, the last prompt token) pay it at layer c.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+GRANULARITIES = ("token", "block")
+
+
+@dataclass
+class CheckState:
+    """What the probe pass (layers 0..c on every token) leaves for a rule, per probe layer:
+    the reused tokens' cached and recomputed K/V ([R, kv_heads, d], batch order)."""
+
+    cached_k: list[torch.Tensor] = field(default_factory=list)
+    cached_v: list[torch.Tensor] = field(default_factory=list)
+    computed_k: list[torch.Tensor] = field(default_factory=list)
+    computed_v: list[torch.Tensor] = field(default_factory=list)
+    attention_received: torch.Tensor | None = None  # [R] mass fresh queries pay at layer c
+
+    def deviation(self, layer: int, which: str) -> torch.Tensor:
+        """Squared L2 deviation per reused token at probe layer `layer` ("k", "v" or "kv")."""
+        dev = torch.zeros(self.cached_k[layer].shape[0], device=self.cached_k[layer].device)
+        if "k" in which:
+            dev += (self.computed_k[layer] - self.cached_k[layer]).float().pow(2).sum((1, 2))
+        if "v" in which:
+            dev += (self.computed_v[layer] - self.cached_v[layer]).float().pow(2).sum((1, 2))
+        return dev
+
+
+@dataclass(frozen=True)
+class SelectionRule:
+    name: str
+    score: Callable[[CheckState], torch.Tensor]  # [R] higher = recompute first
+    needs_attention: bool = False
+
+
+def _normalised(dev: torch.Tensor) -> torch.Tensor:
+    return dev / dev.mean().clamp_min(1e-12)
+
+
+def _attention_kv(state: CheckState) -> torch.Tensor:
+    layers = range(1, len(state.cached_k)) if len(state.cached_k) > 1 else range(1)
+    dev = sum(_normalised(state.deviation(layer, "kv")) for layer in layers)
+    return dev * state.attention_received
+
+
+RULES: dict[str, SelectionRule] = {
+    "cacheblend-k": SelectionRule("cacheblend-k", lambda s: s.deviation(-1, "k")),
+    "cacheblend-v": SelectionRule("cacheblend-v", lambda s: s.deviation(-1, "v")),
+    "cacheblend-kv": SelectionRule("cacheblend-kv", lambda s: s.deviation(-1, "kv")),
+    "attention-kv": SelectionRule("attention-kv", _attention_kv, needs_attention=True),
+}
+
+
+def fixed_scores(name: str, scores: torch.Tensor) -> SelectionRule:
+    """A rule whose scores are known in advance (the quality harness's oracle)."""
+    return SelectionRule(name, lambda state: scores)
+
+
+def rule_named(name: str) -> SelectionRule:
+    try:
+        return RULES[name]
+    except KeyError:
+        raise ValueError(f"unknown selection rule {name!r}; choose one of {', '.join(RULES)}") from None
+
+
+@dataclass(frozen=True)
+class ReusedSegment:
+    """A run of reused tokens restored from one cached segment: [start, end) in the flattened
+    batch; it begins at the segment's first token (blocks are counted from there)."""
+
+    start: int
+    end: int
+
+
+def select_kept(scores: torch.Tensor, requests: Sequence[Sequence[ReusedSegment]], ratio: float, *,
+                granularity: str = "token", block_size: int = 16, head_tokens: int = 0) -> torch.Tensor:
+    """Kept-token mask over the reused tokens (batch order, the order of the segments given).
+
+    Per request the budget is round(ratio x its reused tokens); head tokens come first, then
+    the best-scoring units (tokens, or whole blocks ranked by mean score) until it is covered."""
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    kept = torch.zeros(scores.shape[0], dtype=torch.bool, device=scores.device)
+    offset = 0
+    for segments in requests:
+        units, heads = [], []  # per reused token: its unit id, whether it is a head token
+        for seg in segments:
+            within = torch.arange(seg.end - seg.start, device=scores.device)
+            per_unit = within // block_size if granularity == "block" else within
+            units.append(per_unit + (units[-1].max() + 1 if units else 0))
+            heads.append(within < head_tokens)
+        if not units:
+            continue
+        unit, head = torch.cat(units), torch.cat(heads)
+        rows = slice(offset, offset + unit.numel())
+        offset += unit.numel()
+        budget = round(ratio * unit.numel())
+        count = torch.zeros(int(unit.max()) + 1, device=scores.device)
+        total = count.clone().index_add_(0, unit, scores[rows].float())
+        count.index_add_(0, unit, torch.ones_like(total[unit]))
+        size = count.clone().index_add_(0, unit, -head.float())  # tokens a unit adds beyond heads
+        order = torch.argsort(total / count, descending=True, stable=True)
+        before = torch.cumsum(size[order], 0) - size[order]  # tokens taken before each unit
+        chosen = order[int(head.sum()) + before < budget]
+        kept[rows] = head | torch.isin(unit, chosen)
+    return kept

@@ -1,0 +1,175 @@
+"""core/blend + core/selection on tiny random HF models (every supported family), in-process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_tokendance.bench.hf_layerwise import DenseKV, HFLayerwise, full_prefill
+from sglang_tokendance.core.attention import attention_received
+from sglang_tokendance.core.blend import BlendOptions, RequestRow, blended_prefill, finish, probe
+from sglang_tokendance.core.rope import RopeSpec, rotate, unrotate
+from sglang_tokendance.core.selection import RULES, ReusedSegment, fixed_scores, rule_named, select_kept
+from sglang_tokendance.tiny_models import TINY_ARCHITECTURES, tiny_config
+
+SEG = (12, 30)  # the reused segment's place in the target prompt
+
+
+def tiny(arch: str) -> HFLayerwise:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = tiny_config(arch)
+    config.vocab_size = 512
+    return HFLayerwise(AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval())
+
+
+@pytest.fixture(scope="module", params=TINY_ARCHITECTURES)
+def model(request):
+    return tiny(request.param)
+
+
+def prompt(seed: int = 1) -> torch.Tensor:
+    return torch.randint(3, 512, (40,), generator=torch.Generator().manual_seed(seed))
+
+
+def cached_segment(model: HFLayerwise, ids: torch.Tensor, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Un-rotated K and V [layers, n, kv_heads, d] of ids[SEG] computed right after `context`."""
+    source = torch.cat([context, ids[SEG[0]:SEG[1]]])
+    _, kv = full_prefill(model, source)
+    at = torch.arange(context.numel(), source.numel())
+    spec = RopeSpec.from_hf_config(model.lm.config)
+    k = torch.stack([unrotate(kv.keys(l)[at], at, spec) for l in range(model.num_layers)])
+    return k, torch.stack([kv.values(l)[at] for l in range(model.num_layers)])
+
+
+def reuse_row(model: HFLayerwise, ids: torch.Tensor, segment) -> tuple[DenseKV, RequestRow]:
+    """A KV row for `ids` with the cached segment rotated into its place, as the forest does."""
+    kv = DenseKV(model.num_layers, ids.numel(), *model.kv_shape())
+    at = torch.arange(*SEG)
+    spec = RopeSpec.from_hf_config(model.lm.config)
+    for layer in range(model.num_layers):
+        kv.write(layer, at, rotate(segment[0][layer], at, spec), segment[1][layer])
+    return kv, RequestRow(0, ids.numel(), torch.arange(ids.numel()), reused=[SEG])
+
+
+def logits(model, ids, kv, row, options, rule=None):
+    hidden, stats = blended_prefill(model, kv, ids, torch.arange(ids.numel()), [row], options, rule)
+    return model.logits(hidden[-1]), stats
+
+
+def hf_logits(model: HFLayerwise, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model.lm(ids.unsqueeze(0)).logits[0, -1]
+
+
+@torch.no_grad()
+def test_full_prefill_equals_hf(model):
+    ids = prompt()
+    hidden, _ = full_prefill(model, ids)
+    torch.testing.assert_close(model.logits(hidden[-1]), hf_logits(model, ids), atol=1e-4, rtol=1e-4)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("rule", sorted(RULES))
+@pytest.mark.parametrize("sparse", [True, False])
+def test_ratio_one_is_a_full_prefill(model, rule, sparse):
+    ids = prompt()
+    kv, row = reuse_row(model, ids, cached_segment(model, ids, prompt(2)[:7]))
+    out, stats = logits(model, ids, kv, row, BlendOptions(recompute_ratio=1.0, check_layer=2,
+                                                         sparse_writeback=sparse), rule_named(rule))
+    torch.testing.assert_close(out, hf_logits(model, ids), atol=1e-4, rtol=1e-4)
+    assert stats.kept_tokens == stats.reused_tokens == SEG[1] - SEG[0]
+
+
+@torch.no_grad()
+def test_reuse_from_another_context_is_approximate_and_recompute_helps(model):
+    ids = prompt()
+    segment = cached_segment(model, ids, prompt(2)[:7])
+    full = hf_logits(model, ids).log_softmax(-1)
+
+    def kl(ratio):
+        kv, row = reuse_row(model, ids, segment)
+        out, _ = logits(model, ids, kv, row, BlendOptions(recompute_ratio=ratio, check_layer=1),
+                        rule_named("cacheblend-kv"))
+        return torch.sum(full.exp() * (full - out.log_softmax(-1))).item()
+
+    assert kl(0.0) > 1e-6  # the segment's KV really came from elsewhere
+    assert kl(1.0) < 1e-6
+
+
+@torch.no_grad()
+def test_same_context_reuse_equals_full_prefill(model):
+    ids = prompt()
+    kv, row = reuse_row(model, ids, cached_segment(model, ids, ids[:SEG[0]]))
+    out, stats = logits(model, ids, kv, row, BlendOptions(recompute_ratio=0.0), None)
+    torch.testing.assert_close(out, hf_logits(model, ids), atol=1e-4, rtol=1e-4)
+    assert stats.token_layers == (ids.numel() - (SEG[1] - SEG[0])) * model.num_layers
+
+
+@torch.no_grad()
+def test_ratio_zero_computes_fresh_tokens_over_cached_kv(model):
+    """Reference: the fresh tokens one at a time (decode-style), the segment's KV untouched."""
+    ids = prompt()
+    segment = cached_segment(model, ids, prompt(3)[:5])
+    kv, row = reuse_row(model, ids, segment)
+    out, _ = logits(model, ids, kv, row, BlendOptions(recompute_ratio=0.0), None)
+    ref_kv, _ = reuse_row(model, ids, segment)
+    for p in range(ids.numel()):
+        if SEG[0] <= p < SEG[1]:
+            continue
+        step = RequestRow(prefix_len=p, num_tokens=1, slots=torch.arange(p + 1))
+        hidden, _ = blended_prefill(model, ref_kv, ids[p:p + 1], torch.tensor([p]), [step], BlendOptions(), None)
+    torch.testing.assert_close(out, model.logits(hidden[-1]), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(kv.k, ref_kv.k, atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("sparse", [True, False])
+def test_sparse_writeback_keeps_cached_kv_of_tokens_not_kept(sparse):
+    model = tiny("llama")
+    ids = prompt()
+    kv, row = reuse_row(model, ids, cached_segment(model, ids, prompt(2)[:7]))
+    cached_k = kv.k.clone()
+    c, n = 1, SEG[1] - SEG[0]
+    scores = torch.arange(n, dtype=torch.float32)  # keeps the segment's last tokens
+    checked = probe(model, kv, ids, torch.arange(ids.numel()), [row], c, with_attention=False)
+    kept = select_kept(scores, checked.batch.reused_segments(), 0.25)
+    finish(model, kv, checked, kept, BlendOptions(recompute_ratio=0.25, check_layer=c, sparse_writeback=sparse))
+    slots = torch.arange(*SEG)
+    dropped, taken = slots[~kept], slots[kept]
+    assert kept.sum() == round(0.25 * n) and kept[-1] and not kept[0]
+    for layer in range(model.num_layers):
+        same = torch.equal(kv.k[layer, dropped], cached_k[layer, dropped])
+        assert same == (sparse or layer > c), layer
+        assert not torch.equal(kv.k[layer, taken], cached_k[layer, taken])
+
+
+def test_select_kept_budget_heads_and_blocks():
+    segments = [[ReusedSegment(0, 10), ReusedSegment(10, 30)]]
+    scores = torch.zeros(30)
+    scores[[3, 25, 26]] = torch.tensor([5.0, 9.0, 7.0])
+    kept = select_kept(scores, segments, 0.1)
+    assert kept.nonzero().squeeze(1).tolist() == [3, 25, 26]
+    kept = select_kept(scores, segments, 0.1, head_tokens=2)
+    assert kept.nonzero().squeeze(1).tolist() == [0, 1, 10, 11]  # heads take the whole budget
+    kept = select_kept(scores, segments, 0.2, granularity="block", block_size=8)
+    # blocks are counted from each segment's start: [26, 30) and [18, 26) score best
+    assert kept.nonzero().squeeze(1).tolist() == list(range(18, 30))
+    assert select_kept(scores, segments, 1.0).all()
+    assert not select_kept(scores, segments, 0.0).any()
+    two = select_kept(torch.cat([scores, scores]), segments + [[ReusedSegment(30, 60)]], 0.1)
+    assert two[:30].sum() == 3 and two[30:].sum() == 3  # the budget is per request
+    with pytest.raises(ValueError, match="granularity"):
+        select_kept(scores, segments, 0.1, granularity="page")
+
+
+def test_rules_and_attention_mass():
+    with pytest.raises(ValueError, match="unknown selection rule"):
+        rule_named("best")
+    q, k = torch.randn(5, 4, 8), torch.randn(9, 2, 8)
+    mass = attention_received(q, k, torch.arange(4, 9), torch.arange(9), 0.3)
+    assert mass.shape == (9,)
+    torch.testing.assert_close(mass.sum(), torch.tensor(5.0 * 4))  # each query-head pays 1
+    assert mass[:4].min() > 0
+    assert fixed_scores("oracle", torch.ones(3)).score(None).tolist() == [1.0, 1.0, 1.0]

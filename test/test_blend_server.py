@@ -1,0 +1,86 @@
+"""The blended prefill inside a real server (SmolLM2): recompute ratio 1 is a full prefill,
+the default ratio recomputes its share, and recomputed tokens are reported."""
+
+from __future__ import annotations
+
+import pytest
+import requests
+
+from conftest import generate
+from sglang_tokendance.core.segments import DEFAULT_SEPARATOR as SEP
+from sglang_tokendance.server_process import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+BLOCKS = [
+    "Tom: The river flooded the old mill last night, so the north road is closed until Friday.",
+    "Ada: The council will vote on the new market hall tomorrow at noon in the town square.",
+]
+AUTHOR = SEP.join(["You are Mira, the baker of Oakvale. Yesterday you sold rye bread to the mayor.",
+                   *BLOCKS, " Mira says:"])
+READER = SEP.join(["You are Oskar, the carpenter.", BLOCKS[1], BLOCKS[0], " Oskar says:"])
+
+
+def with_logprobs(url: str, text: str, salt: str, max_new_tokens: int = 12) -> dict:
+    body = {"text": text, "cache_salt": salt, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}}
+    r = requests.post(url + "/generate", json=body, timeout=300)
+    r.raise_for_status()
+    return r.json()
+
+
+def output_logprobs(out: dict) -> list[float]:
+    return [entry[0] for entry in out["meta_info"]["output_token_logprobs"]]
+
+
+@pytest.fixture(scope="module")
+def full_ratio_server(smollm2_path):
+    with ServerProcess(["--tokendance-recompute-ratio", "1.0", "--tokendance-check-layer", "2"]) as proc:
+        yield proc.url
+
+
+def test_ratio_one_equals_a_full_prefill(full_ratio_server):
+    url = full_ratio_server
+    requests.post(url + "/flush_cache", timeout=60)
+    reference = with_logprobs(url, READER, "reference")  # nothing cached yet: SGLang's own prefill
+    generate(url, AUTHOR, 2)  # caches both blocks in Mira's context
+    blended = with_logprobs(url, READER, "blended")  # own salt: no radix hit, segments only
+    info = blended["meta_info"]["tokendance"]
+    assert info["segment_hits"] == 2 and info["reused_tokens"] == 0 and info["recomputed_tokens"] > 0
+    assert blended["output_ids"] == reference["output_ids"]
+    assert output_logprobs(blended) == pytest.approx(output_logprobs(reference), abs=2e-3)
+
+
+@pytest.fixture(scope="module")
+def default_server(smollm2_path):
+    with ServerProcess([]) as proc:
+        yield proc.url
+
+
+def test_default_ratio_recomputes_its_share_and_serves_batches(default_server):
+    url = default_server
+    requests.post(url + "/flush_cache", timeout=60)
+    generate(url, AUTHOR, 2)
+    out = generate(url, READER, 8)
+    info = out["meta_info"]["tokendance"]
+    seg_tokens = sum(s["end"] - s["start"] for s in info["segments"])
+    assert info["segment_hits"] == 2
+    assert info["recomputed_tokens"] == round(0.3 * seg_tokens)  # default --tokendance-recompute-ratio
+    assert info["reused_tokens"] + info["recomputed_tokens"] == seg_tokens
+    meta = out["meta_info"]
+    assert info["computed_tokens"] == meta["prompt_tokens"] - meta["cached_tokens"] - info["reused_tokens"]
+    plain = "The capital of France is"
+    alone = generate(url, plain, 8)["output_ids"]
+    batch = generate(url, [READER.replace("Oskar", "Ilse"), plain], 8)
+    assert batch[0]["meta_info"]["tokendance"]["recomputed_tokens"] > 0
+    assert batch[1]["output_ids"] == alone
+
+
+def test_input_logprob_requests_take_sglangs_path(default_server):
+    url = default_server
+    generate(url, AUTHOR, 2)
+    body = {"text": READER.replace("Oskar", "Pia"), "return_logprob": True, "logprob_start_len": 0,
+            "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+    out = requests.post(url + "/generate", json=body, timeout=300).json()
+    assert "reused_tokens" not in out["meta_info"]["tokendance"]
+    assert len(out["meta_info"]["input_token_logprobs"]) == out["meta_info"]["prompt_tokens"]
