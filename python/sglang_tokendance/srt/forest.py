@@ -22,7 +22,8 @@ generated text cached as a segment when it finishes, if tokenising that text alo
 the generated ids (so the next round's block, which is that text, has the same hash). Its last
 token has no KV yet; reuse computes it fresh.
 
-Not yet here (the forest issue stays open for them): the metrics.
+Metrics: under SGLang's `--enable-metrics` the forest reports segment hits, misses, reused
+tokens and the bytes its segment nodes hold to /metrics (srt/metrics.py).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 from sglang_tokendance.core.rope import RopeSpec, rotate, unrotate
 from sglang_tokendance.core.segment_table import SegmentTable
 from sglang_tokendance.server_args import TokenDanceArgs
+from sglang_tokendance.srt.metrics import NO_METRICS, ForestMetrics, PrometheusForestMetrics
 from sglang_tokendance.srt.model import SUPPORTED_ARCHITECTURES, forward_fresh_tokens
 from sglang_tokendance.core.segments import segment_hash
 from sglang_tokendance.srt.prompt_interface import REUSE_INFO_KEY, carried_spans, model_salt, wants_output_registered
@@ -46,6 +48,8 @@ logger = logging.getLogger(__name__)
 
 
 class SegmentForest(RadixCache):
+    metrics: ForestMetrics = NO_METRICS  # replaced under --enable-metrics
+
     def __init__(self, params, rope: RopeSpec | None, reuse: bool, outputs: OutputSegments | None = None):
         self.rope = rope
         self.reuse = reuse and rope is not None
@@ -56,6 +60,11 @@ class SegmentForest(RadixCache):
         if self.page_size != 1:
             raise ValueError(f"the tokendance radix cache needs --page-size 1, got {self.page_size}")
 
+    def init_metrics_collector(self) -> None:
+        """SGLang calls this under --enable-metrics: our series take the cache's labels."""
+        super().init_metrics_collector()
+        self.metrics = PrometheusForestMetrics(self.metrics_collector.labels, self.segments, self.bytes_per_token())
+
     # --- tree + segments lifecycle ---------------------------------------------------------
 
     def reset(self) -> None:
@@ -63,6 +72,7 @@ class SegmentForest(RadixCache):
         self.fresh_masks.clear()
         for slots in self.segments.clear():
             self.token_to_kv_pool_allocator.free(slots)
+        self.metrics.update_held()
 
     def checkpoint(self, req, *, up_to: int) -> None:
         exact = min(up_to, _first_reused(req))  # reused KV is approximate: keep it out
@@ -71,6 +81,7 @@ class SegmentForest(RadixCache):
             self.insert_segments(req, exact)
             if req.finished() and self.outputs is not None and wants_output_registered(req.sampling_params.custom_params):
                 self.register_output(req)
+            self.metrics.update_held()
 
     def register_output(self, req) -> None:
         """Cache a finished request's generated text as a segment (see the module doc)."""
@@ -135,6 +146,7 @@ class SegmentForest(RadixCache):
             self._copy_kv(entry.slots[: end - span.start], row[span.start:end].to(torch.int64), span.start, rotate)
             fresh[span.start - prefix:end - prefix] = False
         reused = int((~fresh).sum())
+        self.metrics.count_restore(hits, misses, reused)
         if reused:
             self.fresh_masks[req.rid] = fresh
             req.tokendance_first_reused = prefix + int((~fresh).nonzero()[0])
@@ -178,16 +190,20 @@ class SegmentForest(RadixCache):
             else:
                 freed = super().evict(EvictParams(num_tokens=1)).num_tokens_evicted  # one leaf
             total.num_tokens_evicted += freed
+        self.metrics.update_held()
         return total
 
     def evictable_size(self) -> int:
         return super().evictable_size() + self.segments.tokens
 
-    def stats(self) -> dict:
+    def bytes_per_token(self) -> int:
+        """KV bytes of one token over every layer, K and V."""
         pool = self.token_to_kv_pool_allocator.get_kvcache()
         k = pool.get_key_buffer(pool.start_layer)
-        bytes_per_token = 2 * pool.layer_num * k[0].numel() * k.element_size()
-        return {**self.segments.stats(bytes_per_token), "tree_evictable_tokens": super().evictable_size()}
+        return 2 * pool.layer_num * k[0].numel() * k.element_size()
+
+    def stats(self) -> dict:
+        return {**self.segments.stats(self.bytes_per_token()), "tree_evictable_tokens": super().evictable_size()}
 
 
 ACTIVE: SegmentForest | None = None  # the scheduler process's forest, for the model forward
