@@ -222,3 +222,23 @@ def test_registered_output_is_reused_as_next_rounds_block(server):
     assert info["reused_tokens"] in (length - 1, length)
     plain = generate(server, "The capital of France is", 4)
     assert "reused_tokens" not in plain["meta_info"]["tokendance"]
+
+
+def test_frontend_gen_registers_its_output(server):
+    import sglang as sgl
+
+    import sglang_tokendance.lang  # noqa: F401  (adds sgl.separator, sgl.gen(register_output=...))
+
+    @sgl.function
+    def speak(s, register: bool):
+        s += H_MIRA + sgl.separator() + BLOCKS[0] + sgl.separator() + " Mira says:"
+        s += sgl.gen("answer", max_tokens=24, temperature=0, register_output=register)
+
+    requests.post(server + "/flush_cache", timeout=60)
+    backend = sgl.RuntimeEndpoint(server)
+    speak.run(register=False, backend=backend).sync()  # run() returns before the program ends
+    assert forest_stats(server)["segment_nodes"] == 1  # BLOCKS[0] only
+    reply = speak.run(register=True, backend=backend)["answer"]
+    assert forest_stats(server)["segment_nodes"] == 2  # and the output
+    nxt = generate(server, SEP.join(["You are Oskar.", reply, " Oskar replies:"]), 4)
+    assert nxt["meta_info"]["tokendance"]["segment_hits"] == 1
