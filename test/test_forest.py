@@ -95,16 +95,18 @@ def test_flush_frees_every_slot(server):
     assert used_tokens(server) == start
 
 
-def test_small_kv_budget_evicts_and_every_request_finishes(smollm2_path):
+def distinct_blocks_prompt(i: int) -> str:
+    """Agent i's prompt: three ~70-token blocks that no other i shares."""
     words = "harvest mill river bakery market council bridge square lantern orchard".split()
-    def prompt(i: int) -> str:
-        blocks = [" ".join(words[(i + j + k) % len(words)] for k in range(60)) + f" ({i}.{j})" for j in range(3)]
-        return SEP.join([f"Agent {i} history.", *blocks, " Reply:"])
+    blocks = [" ".join(words[(i + j + k) % len(words)] for k in range(60)) + f" ({i}.{j})" for j in range(3)]
+    return SEP.join([f"Agent {i} history.", *blocks, " Reply:"])
 
+
+def test_small_kv_budget_evicts_and_every_request_finishes(smollm2_path):
     with ServerProcess(["--max-total-tokens", "1200", "--context-length", "1024"]) as small:
         for wave in range(2):  # a wave of concurrent requests well past the budget, twice
             with ThreadPoolExecutor(6) as pool:
-                outs = list(pool.map(lambda i: generate(small.url, prompt(i), 16), range(wave * 6, wave * 6 + 6)))
+                outs = list(pool.map(lambda i: generate(small.url, distinct_blocks_prompt(i), 16), range(wave * 6, wave * 6 + 6)))
             assert all(o["meta_info"]["finish_reason"]["type"] in ("length", "stop") for o in outs)
             assert all(len(o["output_ids"]) >= 1 for o in outs)
         stats = forest_stats(small.url)
@@ -221,3 +223,23 @@ def test_registered_output_is_reused_as_next_rounds_block(server):
     assert info["reused_tokens"] in (length - 1, length)
     plain = generate(server, "The capital of France is", 4)
     assert "reused_tokens" not in plain["meta_info"]["tokendance"]
+
+
+def test_frontend_gen_registers_its_output(server):
+    import sglang as sgl
+
+    import sglang_tokendance.lang  # noqa: F401  (adds sgl.separator, sgl.gen(register_output=...))
+
+    @sgl.function
+    def speak(s, register: bool):
+        s += H_MIRA + sgl.separator() + BLOCKS[0] + sgl.separator() + " Mira says:"
+        s += sgl.gen("answer", max_tokens=24, temperature=0, register_output=register)
+
+    requests.post(server + "/flush_cache", timeout=60)
+    backend = sgl.RuntimeEndpoint(server)
+    speak.run(register=False, backend=backend).sync()  # run() returns before the program ends
+    assert forest_stats(server)["segment_nodes"] == 1  # BLOCKS[0] only
+    reply = speak.run(register=True, backend=backend)["answer"]
+    assert forest_stats(server)["segment_nodes"] == 2  # and the output
+    nxt = generate(server, SEP.join(["You are Oskar.", reply, " Oskar replies:"]), 4)
+    assert nxt["meta_info"]["tokendance"]["segment_hits"] == 1

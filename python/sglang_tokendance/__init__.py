@@ -4,7 +4,7 @@ __version__ = "0.1.0"
 
 __all__ = ["Engine", "__version__"]
 
-if "sglang" in __import__("sys").modules:  # cheap now: give programs sgl.separator()
+if "sglang" in __import__("sys").modules:  # cheap now: sgl.separator(), sgl.gen(register_output=)
     import sglang_tokendance.lang  # noqa: F401
 
 

@@ -8,11 +8,12 @@ interpreter, so fork, run_batch and streaming keep working.
 
 from __future__ import annotations
 
-import functools
-
 import sglang
 from sglang.lang.interpreter import StreamExecutor
 from sglang.lang.ir import SglConstantText
+
+from sglang_tokendance.lang.backend import tokendance_info
+from sglang_tokendance.lang.wrapping import wrap_method
 
 
 class SglSeparator(SglConstantText):
@@ -27,36 +28,16 @@ def separator() -> SglSeparator:
     return SglSeparator()
 
 
-def backend_separator(backend) -> str:
-    """The marker a backend accepts, or "" when it does not serve TokenDance (cached)."""
-    cached = getattr(backend, "_tokendance_separator", None)
-    if cached is None:
-        info = {}
-        if hasattr(backend, "get_server_info"):
-            try:
-                info = backend.get_server_info() or {}
-            except Exception:  # a backend without /server_info is not TokenDance
-                info = {}
-        cached = (info.get("tokendance") or {}).get("separator", "")
-        backend._tokendance_separator = cached
-    return cached
+def _execute(original, executor: StreamExecutor, other):
+    if isinstance(other, SglSeparator):
+        marker = tokendance_info(executor.backend).get("separator", "")
+        if marker:
+            executor._execute_fill(marker)
+        return None
+    return original(executor, other)
 
 
 def install() -> None:
     """Teach the interpreter to execute separators and expose `sgl.separator`."""
     sglang.separator = separator
-    original = StreamExecutor._execute
-    if getattr(original, "_tokendance", False):
-        return
-
-    @functools.wraps(original)
-    def _execute(self, other):
-        if isinstance(other, SglSeparator):
-            marker = backend_separator(self.backend)
-            if marker:
-                self._execute_fill(marker)
-            return None
-        return original(self, other)
-
-    _execute._tokendance = True
-    StreamExecutor._execute = _execute
+    wrap_method(StreamExecutor, "_execute", _execute)

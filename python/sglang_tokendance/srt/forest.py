@@ -25,7 +25,8 @@ generated text cached as a segment when it finishes, if tokenising that text alo
 the generated ids (so the next round's block, which is that text, has the same hash). Its last
 token has no KV yet; reuse computes it fresh.
 
-Not yet here (the forest issue stays open for them): the metrics.
+Metrics: under SGLang's `--enable-metrics` the forest reports segment hits, misses, reused
+tokens and the bytes its segment nodes hold to /metrics (srt/metrics.py).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from sglang_tokendance.core.rope import RopeSpec, rotate, unrotate
 from sglang_tokendance.core.segment_table import SegmentTable
 from sglang_tokendance.core.selection import SelectionRule, rule_named
 from sglang_tokendance.server_args import TokenDanceArgs
+from sglang_tokendance.srt.metrics import NO_METRICS, ForestMetrics, PrometheusForestMetrics
 from sglang_tokendance.srt.model import SUPPORTED_ARCHITECTURES, PoolKV, SGLangLayers
 from sglang_tokendance.core.segments import segment_hash
 from sglang_tokendance.srt.prompt_interface import REUSE_INFO_KEY, carried_spans, model_salt, wants_output_registered
@@ -51,6 +53,8 @@ logger = logging.getLogger(__name__)
 
 
 class SegmentForest(RadixCache):
+    metrics: ForestMetrics = NO_METRICS  # replaced under --enable-metrics
+
     def __init__(self, params, rope: RopeSpec | None, reuse: bool, outputs: OutputSegments | None = None,
                  blend: BlendOptions = BlendOptions(), rule: SelectionRule | None = None):
         self.rope = rope
@@ -64,6 +68,11 @@ class SegmentForest(RadixCache):
         if self.page_size != 1:
             raise ValueError(f"the tokendance radix cache needs --page-size 1, got {self.page_size}")
 
+    def init_metrics_collector(self) -> None:
+        """SGLang calls this under --enable-metrics: our series take the cache's labels."""
+        super().init_metrics_collector()
+        self.metrics = PrometheusForestMetrics(self.metrics_collector.labels, self.segments, self.bytes_per_token())
+
     # --- tree + segments lifecycle ---------------------------------------------------------
 
     def reset(self) -> None:
@@ -72,6 +81,7 @@ class SegmentForest(RadixCache):
         self.reuse_info.clear()
         for slots in self.segments.clear():
             self.token_to_kv_pool_allocator.free(slots)
+        self.metrics.update_held()
 
     def checkpoint(self, req, *, up_to: int) -> None:
         exact = min(up_to, _first_reused(req))  # reused KV is approximate: keep it out
@@ -80,6 +90,7 @@ class SegmentForest(RadixCache):
             self.insert_segments(req, exact)
             if req.finished() and self.outputs is not None and wants_output_registered(req.sampling_params.custom_params):
                 self.register_output(req)
+            self.metrics.update_held()
 
     def register_output(self, req) -> None:
         """Cache a finished request's generated text as a segment (see the module doc)."""
@@ -144,6 +155,7 @@ class SegmentForest(RadixCache):
             self._copy_kv(entry.slots[: end - span.start], row[span.start:end].to(torch.int64), span.start, rotate)
             runs.append((span.start - prefix, end - prefix))
         reused = sum(b - a for a, b in runs)
+        self.metrics.count_restore(hits, misses)
         info = {"reused_tokens": reused, "recomputed_tokens": 0, "computed_tokens": extend_end - prefix - reused,
                 "segment_hits": hits, "segment_misses": misses}
         if reused:
@@ -153,18 +165,18 @@ class SegmentForest(RadixCache):
         return info
 
     def record_recompute(self, rids: list[str], rows: list[RequestRow], stats: BlendStats) -> None:
-        """Move the recomputed reused tokens from `reused_tokens` to `computed_tokens`."""
-        if stats.kept is None:
-            return
+        """After the forward: move the recomputed reused tokens from `reused_tokens` to
+        `computed_tokens` in each request's counts, and count both in the metrics."""
         start = 0
         for rid, row in zip(rids, rows):
             n = sum(b - a for a, b in row.reused)
+            kept = 0 if stats.kept is None else int(stats.kept[start:start + n].sum())
+            start += n
             info = self.reuse_info.pop(rid, None)
             if info is not None:
-                kept = int(stats.kept[start:start + n].sum())
                 info.update(reused_tokens=n - kept, recomputed_tokens=kept,
                             computed_tokens=info["computed_tokens"] + kept)
-            start += n
+            self.metrics.count_reuse(n - kept, kept)
 
     def take_reuse_rows(self, forward_batch) -> list[RequestRow] | None:
         """The blended prefill's view of an extend batch in which some request reuses, else None."""
@@ -206,16 +218,20 @@ class SegmentForest(RadixCache):
             else:
                 freed = super().evict(EvictParams(num_tokens=1)).num_tokens_evicted  # one leaf
             total.num_tokens_evicted += freed
+        self.metrics.update_held()
         return total
 
     def evictable_size(self) -> int:
         return super().evictable_size() + self.segments.tokens
 
-    def stats(self) -> dict:
+    def bytes_per_token(self) -> int:
+        """KV bytes of one token over every layer, K and V."""
         pool = self.token_to_kv_pool_allocator.get_kvcache()
         k = pool.get_key_buffer(pool.start_layer)
-        bytes_per_token = 2 * pool.layer_num * k[0].numel() * k.element_size()
-        return {**self.segments.stats(bytes_per_token), "tree_evictable_tokens": super().evictable_size()}
+        return 2 * pool.layer_num * k[0].numel() * k.element_size()
+
+    def stats(self) -> dict:
+        return {**self.segments.stats(self.bytes_per_token()), "tree_evictable_tokens": super().evictable_size()}
 
 
 ACTIVE: SegmentForest | None = None  # the scheduler process's forest, for the model forward

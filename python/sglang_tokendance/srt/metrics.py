@@ -1,0 +1,66 @@
+"""Prometheus series of the segment-hash forest, under SGLang's `--enable-metrics`.
+
+SGLang builds a radix cache's metrics collector (`init_metrics_collector`) only when metrics
+are on; the forest then builds these series beside it with the same labels (cache_type,
+tp/pp/dp rank), so they sit next to SGLang's own cache series such as
+`sglang:evicted_tokens_total`. prometheus_client is imported only then, after SGLang has set
+PROMETHEUS_MULTIPROC_DIR: the HTTP server's /metrics reads every process's values from there.
+With metrics off the forest keeps `NO_METRICS`, whose calls do nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sglang_tokendance.core.segment_table import SegmentTable
+
+
+class ForestMetrics:
+    """What the forest reports; this base is the no-op used when metrics are off."""
+
+    def count_restore(self, hits: int, misses: int) -> None:
+        """One request's segment lookups after its radix prefix (srt/forest `_restore_one`)."""
+
+    def count_reuse(self, reused_tokens: int, recomputed_tokens: int) -> None:
+        """One request's restored tokens after its blended prefill: kept as cached, or recomputed."""
+
+    def update_held(self) -> None:
+        """Segment nodes were inserted or removed: refresh the bytes they hold."""
+
+
+NO_METRICS = ForestMetrics()
+
+
+class PrometheusForestMetrics(ForestMetrics):
+    def __init__(self, labels: dict[str, Any], segments: SegmentTable, bytes_per_token: int) -> None:
+        from prometheus_client import Counter, Gauge
+
+        self.segments = segments
+        self.bytes_per_token = bytes_per_token
+        names = list(labels)
+
+        def counter(name: str, documentation: str):
+            return Counter(name=name, documentation=documentation, labelnames=names).labels(**labels)
+
+        self.hits = counter("sglang:tokendance_segment_hits_total",
+                            "Cached segments found after a request's radix prefix and reused.")
+        self.misses = counter("sglang:tokendance_segment_misses_total",
+                              "Shared segments after a request's radix prefix that were not cached.")
+        self.reused_tokens = counter("sglang:tokendance_reused_tokens_total",
+                                     "Prompt tokens whose KV was restored from segment nodes and kept, not computed.")
+        self.recomputed_tokens = counter("sglang:tokendance_recomputed_tokens_total",
+                                         "Restored prompt tokens that selective recompute computed again.")
+        self.held_bytes = Gauge(name="sglang:tokendance_segment_bytes",
+                                documentation="KV bytes held by segment nodes (all layers, K and V).",
+                                labelnames=names, multiprocess_mode="mostrecent").labels(**labels)
+
+    def count_restore(self, hits: int, misses: int) -> None:
+        self.hits.inc(hits)
+        self.misses.inc(misses)
+
+    def count_reuse(self, reused_tokens: int, recomputed_tokens: int) -> None:
+        self.reused_tokens.inc(reused_tokens)
+        self.recomputed_tokens.inc(recomputed_tokens)
+
+    def update_held(self) -> None:
+        self.held_bytes.set(self.segments.tokens * self.bytes_per_token)
