@@ -60,7 +60,8 @@ def test_every_setting_against_the_full_prefill(runner):
 
 def test_simulation_divergence(runner):
     results = measure_divergence(runner, CONFIG)
-    assert [r.setting for r in results] == [PLAIN, "cacheblend-k r=0.3 c=1", "attention-kv r=0.3 c=1"]
+    assert [r.setting for r in results] == [PLAIN, "cacheblend-k r=0.3 c=1", "cacheblend-k r=0.3 c=2",
+                                            "attention-kv r=0.3 c=2"]
     for r in results:
         assert r.rounds == 2 and len(r.outputs) == 2
         assert r.first_divergence in (None, 1, 2)
@@ -73,7 +74,7 @@ def test_cli_writes_results(tmp_path, tiny_path):
 
     out = tmp_path / "quality.jsonl"
     bench_quality.main(["--model-path", str(tiny_path), "--num-agents", "2", "--rules", "cacheblend-k",
-                        "--ratios", "0.5", "--continuation-tokens", "4", "--simulation-agents", "2",
+                        "--ratios", "0.5", "--check-layers", "1,2", "--continuation-tokens", "4", "--simulation-agents", "2",
                         "--simulation-rounds", "1", "--history-words", "20", "--block-words", "25",
                         "--output-file", str(out)])
     kinds = {json.loads(line)["kind"] for line in out.read_text().splitlines()}

@@ -173,3 +173,9 @@ def test_rules_and_attention_mass():
     torch.testing.assert_close(mass.sum(), torch.tensor(5.0 * 4))  # each query-head pays 1
     assert mass[:4].min() > 0
     assert fixed_scores("oracle", torch.ones(3)).score(None).tolist() == [1.0, 1.0, 1.0]
+
+
+def test_attention_mass_is_the_same_in_chunks():
+    q, k = torch.randn(7, 4, 8), torch.randn(12, 2, 8)
+    whole = attention_received(q, k, torch.arange(5, 12), torch.arange(12), 0.3)
+    torch.testing.assert_close(attention_received(q, k, torch.arange(5, 12), torch.arange(12), 0.3, chunk=3), whole)

@@ -25,6 +25,27 @@ def test_defaults_and_disable_flag():
     assert not parse(["--disable-tokendance"]).kv_enabled
 
 
+def test_blend_options_parse_and_validate():
+    args = parse(["--tokendance-recompute-ratio", "0.5", "--tokendance-check-layer", "3",
+                  "--tokendance-selection", "cacheblend-k", "--tokendance-selection-granularity", "block",
+                  "--tokendance-block-size", "8", "--tokendance-block-head-tokens", "2",
+                  "--no-tokendance-sparse-writeback"])
+    options = args.blend_options()
+    assert (options.recompute_ratio, options.check_layer, options.granularity, options.block_size,
+            options.block_head_tokens, options.sparse_writeback) == (0.5, 3, "block", 8, 2, False)
+    assert args.selection == "cacheblend-k" and parse([]).sparse_writeback
+    assert TokenDanceArgs.split_kwargs({"tokendance_sparse_writeback": False})[0].sparse_writeback is False
+    for flag, value, message in [("--tokendance-recompute-ratio", "1.5", "in \\[0, 1\\]"),
+                                 ("--tokendance-check-layer", "0", ">= 1"),
+                                 ("--tokendance-selection", "best", "one of cacheblend-k"),
+                                 ("--tokendance-selection-granularity", "page", "one of token, block"),
+                                 ("--tokendance-block-size", "0", ">= 1"),
+                                 ("--tokendance-block-head-tokens", "-1", ">= 0")]:
+        with pytest.raises(TokenDanceArgsError, match=message) as err:
+            parse([flag, value])
+        assert err.value.flag == flag
+
+
 def test_unknown_option_names_it():
     with pytest.raises(TokenDanceArgsError, match="bogus") as err:
         TokenDanceArgs.from_dict({"bogus": 1})

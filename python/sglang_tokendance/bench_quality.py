@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from sglang_tokendance.bench import report
-from sglang_tokendance.bench.quality import (ORACLE, PLAIN, QualityConfig, QualityRunner, Setting,
+from sglang_tokendance.bench.quality import (PLAIN, QualityConfig, QualityRunner, Setting,
                                              measure_divergence, measure_prompts, prefill_timing,
                                              sample_dicts, summarize)
 from sglang_tokendance.core.blend import BlendOptions
@@ -53,9 +53,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", default=None, help="default: the prepared SmolLM2-135M-Instruct")
     p.add_argument("--num-agents", type=_ints, default=(4, 10), help="comma-separated N values")
+    p.add_argument("--prompts-per-n", type=int, default=4, help="agent prompts measured per N")
     p.add_argument("--rules", type=_names, default=tuple(RULES), help="selection rules to compare")
     p.add_argument("--ratios", type=_floats, default=(0.15, 0.3, 0.5, 0.8), help="recompute ratios")
-    p.add_argument("--check-layers", type=_ints, default=(defaults.check_layer,))
+    p.add_argument("--check-layers", type=_ints, default=tuple(sorted({1, defaults.check_layer})))
     p.add_argument("--no-oracle", action="store_true", help="skip the oracle (true deviation) rule")
     p.add_argument("--block-head-tokens", type=int, default=defaults.block_head_tokens)
     p.add_argument("--selection-granularity", choices=GRANULARITIES, default=defaults.selection_granularity)
@@ -77,16 +78,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def config_from(args: argparse.Namespace) -> QualityConfig:
     options = BlendOptions(block_head_tokens=args.block_head_tokens, granularity=args.selection_granularity,
                            block_size=args.block_size, sparse_writeback=not args.no_sparse_writeback)
-    return QualityConfig(num_agents=args.num_agents, rules=args.rules, ratios=args.ratios,
+    return QualityConfig(num_agents=args.num_agents, prompts_per_n=args.prompts_per_n, rules=args.rules, ratios=args.ratios,
                          check_layers=args.check_layers, oracle=not args.no_oracle, options=options,
                          continuation_tokens=args.continuation_tokens, simulation_agents=args.simulation_agents,
                          simulation_rounds=args.simulation_rounds, history_words=args.history_words,
                          block_words=args.block_words, seed=args.seed)
 
 
-def default_setting() -> Setting:
+def timed_setting(config: QualityConfig) -> Setting:
+    """The server's default rule and ratio at the sweep's deepest check layer (the default
+    check layer, in the default sweep)."""
     d = TokenDanceArgs()
-    return Setting(d.selection, d.recompute_ratio, d.check_layer)
+    return Setting(d.selection, d.recompute_ratio, max(config.check_layers))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -104,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     samples = measure_prompts(runner, config)
     rows = summarize(samples)
     divergence = measure_divergence(runner, config) if config.simulation_rounds > 0 else []
-    timing = [prefill_timing(runner, config, default_setting(), n) for n in config.num_agents]
+    timing = [prefill_timing(runner, config, timed_setting(config), n) for n in config.num_agents]
 
     out = args.output_file
     records = [{"kind": "sample", **s} for s in sample_dicts(samples)]
@@ -129,22 +132,24 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_plot:
         for n in config.num_agents:
             plot_kl(out.with_name(f"{out.stem}_n{n}.png"), [r for r in rows if r["agents"] == n], n)
+            plot_kl(out.with_name(f"{out.stem}_n{n}_work.png"), [r for r in rows if r["agents"] == n], n, "work")
     print(out.with_suffix(".md").read_text())
 
 
-def plot_kl(path: Path, rows: list[dict], agents: int) -> None:
-    """KL vs recomputed share of reused tokens, one line per rule and check layer."""
+def plot_kl(path: Path, rows: list[dict], agents: int, x: str = "recomputed_share") -> None:
+    """KL vs `x` (recomputed share of reused tokens, or work), one line per rule and check layer."""
     series: dict[str, tuple[list[float], list[float]]] = {}
     plain = next((r["kl"] for r in rows if r["rule"] == PLAIN), None)
-    for r in sorted(rows, key=lambda r: r["recomputed_share"]):
+    for r in sorted(rows, key=lambda r: r[x]):
         if r["rule"] == PLAIN:
             continue
-        name = r["rule"] if r["rule"] == ORACLE else f"{r['rule']} c={r['check_layer']}"
-        xs, ys = series.setdefault(name, ([], []))
-        xs.append(r["recomputed_share"])
+        xs, ys = series.setdefault(f"{r['rule']} c={r['check_layer']}", ([], []))
+        xs.append(r[x])
         ys.append(r["kl"])
-    report.plot_lines(path, f"KL(full || blended), N={agents}", "recomputed share of reused tokens",
-                      "mean next-token KL", series, hline=plain, hline_label="plain reuse (r=0)")
+    xlabel = {"recomputed_share": "recomputed share of reused tokens",
+              "work": "token-layers computed / full prefill's"}[x]
+    report.plot_lines(path, f"KL(full || blended), N={agents}", xlabel, "mean next-token KL (log)", series,
+                      hline=plain, hline_label="plain reuse (r=0)", logy=True)
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ class TokenDanceArgs:
         "1: a full prefill)."
     )
     check_layer: int = _option(
-        1, "Layer at which reused tokens are scored; layers up to it run on every token (>= 1: "
+        5, "Layer at which reused tokens are scored; layers up to it run on every token (>= 1: "
         "layer 0 carries no signal)."
     )
     selection: str = _option(

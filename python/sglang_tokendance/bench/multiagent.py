@@ -37,7 +37,9 @@ class Mode:
 MODES: dict[str, Mode] = {
     "radix": Mode("radix", stock=True),
     "no-cache": Mode("no-cache", stock=True, server_args=("--disable-radix-cache",)),
-    "tokendance": Mode("tokendance", stock=False, marked=True),
+    "tokendance": Mode("tokendance", stock=False, marked=True),  # default blended prefill
+    "tokendance-plain": Mode("tokendance-plain", stock=False, marked=True,  # plain reuse, no recompute
+                             server_args=("--tokendance-recompute-ratio", "0")),
 }
 
 

@@ -32,6 +32,7 @@ from sglang_tokendance.core.blend import BlendOptions, RequestRow, blended_prefi
 from sglang_tokendance.core.rope import RopeSpec, rotate, unrotate
 from sglang_tokendance.core.segments import DEFAULT_SEPARATOR, Segmenter, SegmentedPrompt, segment_hash
 from sglang_tokendance.core.selection import fixed_scores, rule_named
+from sglang_tokendance.server_args import TokenDanceArgs
 
 ORACLE, PLAIN, FULL = "oracle", "plain", "full"
 
@@ -52,15 +53,16 @@ class Setting:
 @dataclass(frozen=True)
 class QualityConfig:
     num_agents: tuple[int, ...] = (4, 10)
+    prompts_per_n: int = 4  # agents measured per N (the first ones; each prompt is one agent's)
     rules: tuple[str, ...] = ("cacheblend-k", "cacheblend-kv", "attention-kv")
     ratios: tuple[float, ...] = (0.15, 0.3, 0.5, 0.8)
-    check_layers: tuple[int, ...] = (1,)
+    check_layers: tuple[int, ...] = (1, 5)
     oracle: bool = True
     options: BlendOptions = BlendOptions()  # granularity, block size, head tokens, write-back
     continuation_tokens: int = 32
     simulation_agents: int = 4
     simulation_rounds: int = 3
-    simulation_settings: tuple[Setting, ...] = ()  # default: plain + every rule at ratio 0.3
+    simulation_settings: tuple[Setting, ...] = ()  # default: see default_simulation_settings
     preset: str = "generative_agents"
     history_words: int = 150
     block_words: int = 60
@@ -266,7 +268,7 @@ def measure_prompts(runner: QualityRunner, config: QualityConfig) -> list[Sample
     for n in config.num_agents:
         sim = make_simulation(_workload(config, n, rounds=1))
         store = runner.seed_store(sim)
-        for i in tqdm(range(n), desc=f"quality N={n}", unit="agent"):
+        for i in tqdm(range(min(n, config.prompts_per_n)), desc=f"quality N={n}", unit="agent"):
             prompt = runner.agent_prompt(sim, i, 0, sim.seed_messages)
             samples.extend(evaluate_prompt(runner, prompt, store, config, n, i))
     return samples
@@ -310,8 +312,7 @@ def simulate(runner: QualityRunner, sim: Simulation, setting: Setting, options: 
 
 def measure_divergence(runner: QualityRunner, config: QualityConfig) -> list[SimulationResult]:
     sim = make_simulation(_workload(config, config.simulation_agents, rounds=config.simulation_rounds))
-    settings = config.simulation_settings or (
-        Setting(PLAIN), *(Setting(rule, 0.3, config.check_layers[0]) for rule in config.rules))
+    settings = config.simulation_settings or default_simulation_settings(config)
     steps = config.continuation_tokens
     reference = simulate(runner, sim, Setting(FULL), config.options, steps)
     results = []
@@ -321,6 +322,14 @@ def measure_divergence(runner: QualityRunner, config: QualityConfig) -> list[Sim
         results.append(SimulationResult(setting.label, len(sim.agents), len(rounds), diverged,
                                         [[runner.tokenizer.decode(o) for o in outs] for outs in rounds]))
     return results
+
+
+def default_simulation_settings(config: QualityConfig) -> tuple[Setting, ...]:
+    """Plain reuse, CacheBlend's rule at its own check layer (1), and every rule at the
+    deepest check layer of the sweep, all at the server's default recompute ratio."""
+    deepest, ratio = max(config.check_layers), TokenDanceArgs().recompute_ratio
+    return (Setting(PLAIN), Setting("cacheblend-k", ratio, 1),
+            *(Setting(rule, ratio, deepest) for rule in config.rules if (rule, deepest) != ("cacheblend-k", 1)))
 
 
 @torch.no_grad()

@@ -40,7 +40,7 @@ def write_markdown(path: Path, title: str, command: str, sections: list[tuple[st
 
 def plot_lines(path: Path, title: str, xlabel: str, ylabel: str,
                series: dict[str, tuple[list[float], list[float]]], hline: float | None = None,
-               hline_label: str = "") -> None:
+               hline_label: str = "", logy: bool = False) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -51,11 +51,13 @@ def plot_lines(path: Path, title: str, xlabel: str, ylabel: str,
         ax.plot(xs, ys, marker="o", markersize=3, label=name)
     if hline is not None:
         ax.axhline(hline, linestyle="--", color="gray", label=hline_label)
+    if logy:
+        ax.set_yscale("log")
     ax.set_title(title)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize="small")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

@@ -30,13 +30,15 @@ def position_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def attention_received(q: torch.Tensor, k: torch.Tensor, q_positions: torch.Tensor,
-                       k_positions: torch.Tensor, scale: float) -> torch.Tensor:
+                       k_positions: torch.Tensor, scale: float, chunk: int = 256) -> torch.Tensor:
     """[nk] attention mass the queries pay each key (softmax weights summed over queries and
     heads, same causal rule as position_masked_attention): how much a key's error can reach
-    the tokens that read it."""
+    the tokens that read it. Queries go `chunk` at a time to bound the weights' memory."""
     heads, kv_heads = q.shape[1], k.shape[1]
-    k = k.repeat_interleave(heads // kv_heads, dim=1)
-    logits = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
-    mask = k_positions.unsqueeze(0) <= q_positions.unsqueeze(1)
-    weights = logits.masked_fill(~mask, float("-inf")).softmax(-1)
-    return weights.sum((0, 1))
+    k = k.repeat_interleave(heads // kv_heads, dim=1).float()
+    mass = torch.zeros(k.shape[0], dtype=torch.float32, device=k.device)
+    for start in range(0, q.shape[0], chunk):
+        logits = torch.einsum("qhd,khd->hqk", q[start:start + chunk].float(), k) * scale
+        mask = k_positions.unsqueeze(0) <= q_positions[start:start + chunk].unsqueeze(1)
+        mass += logits.masked_fill(~mask, float("-inf")).softmax(-1).sum((0, 1))
+    return mass

@@ -11,9 +11,12 @@ Rules (`--tokendance-selection`):
 * cacheblend-k / cacheblend-v / cacheblend-kv: CacheBlend's deviation of K, V or both at
   layer c (squared L2 over heads) -- the baseline.
 * attention-kv: our rule. A reused token's error reaches the output only through the
-  attention later tokens pay it, so its KV deviation at every probe layer 1..c (each layer's
-  deviations normalised by their mean, so no layer dominates) is weighted by the attention
-  mass the fresh tokens (private text, suffix, the last prompt token) pay it at layer c.
+  attention later tokens pay it, and a single shallow layer's deviation predicts the deep
+  deviation poorly. So: the token's K+V deviation summed over every probe layer 1..c (each
+  layer's deviations divided by their mean, so no layer dominates), times the square root of
+  the attention mass the fresh tokens (private text, suffix, the last prompt token) pay it at
+  layer c. It needs a probe a few layers deep (c >= 3; measured best at c = 5); at c = 1 it
+  is worse than CacheBlend's rule (benchmark/results/quality.md).
 """
 
 from __future__ import annotations
@@ -59,9 +62,8 @@ def _normalised(dev: torch.Tensor) -> torch.Tensor:
 
 
 def _attention_kv(state: CheckState) -> torch.Tensor:
-    layers = range(1, len(state.cached_k)) if len(state.cached_k) > 1 else range(1)
-    dev = sum(_normalised(state.deviation(layer, "kv")) for layer in layers)
-    return dev * state.attention_received
+    deviation = sum(_normalised(state.deviation(layer, "kv")) for layer in range(1, len(state.cached_k)))
+    return deviation * state.attention_received.sqrt()
 
 
 RULES: dict[str, SelectionRule] = {
