@@ -43,8 +43,9 @@ def test_every_setting_against_the_full_prefill(runner):
     store = runner.seed_store(sim)
     prompt = runner.agent_prompt(sim, 0, 0, sim.seed_messages)
     samples = evaluate_prompt(runner, prompt, store, CONFIG, 2, 0)
-    # plain + (2 rules + oracle) x 2 ratios x 2 check layers
-    assert len(samples) == 1 + 3 * 2 * 2
+    # plain + (2 rules + oracle) x 2 ratios x 2 check layers + the default rule screened at layer 1
+    assert len(samples) == 1 + 3 * 2 * 2 + 2
+    assert {s.setting for s in samples if s.screen_layer} == {"attention-kv r=0.5 c=2 s=1", "attention-kv r=1 c=2 s=1"}
     by = {s.setting: s for s in samples}
     assert by[PLAIN].reused_tokens == sum(s.end - s.start for s in prompt.spans) > 0
     assert by[PLAIN].kl > 1e-6  # the blocks' KV came from their authors' contexts
@@ -61,7 +62,7 @@ def test_every_setting_against_the_full_prefill(runner):
 def test_simulation_divergence(runner):
     results = measure_divergence(runner, CONFIG)
     assert [r.setting for r in results] == [PLAIN, "cacheblend-k r=0.3 c=1", "cacheblend-k r=0.3 c=2",
-                                            "attention-kv r=0.3 c=2"]
+                                            "attention-kv r=0.3 c=2", "attention-kv r=0.3 c=2 s=1"]
     for r in results:
         assert r.rounds == 2 and len(r.outputs) == 2
         assert r.first_divergence in (None, 1, 2)

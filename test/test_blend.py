@@ -7,7 +7,7 @@ import torch
 
 from sglang_tokendance.bench.hf_layerwise import DenseKV, HFLayerwise, full_prefill
 from sglang_tokendance.core.attention import attention_received
-from sglang_tokendance.core.blend import BlendOptions, RequestRow, blended_prefill, finish, probe
+from sglang_tokendance.core.blend import BlendOptions, RequestRow, blended_prefill, finish, probe, select
 from sglang_tokendance.core.rope import RopeSpec, rotate, unrotate
 from sglang_tokendance.core.selection import RULES, ReusedSegment, fixed_scores, rule_named, select_kept
 from sglang_tokendance.tiny_models import TINY_ARCHITECTURES, tiny_config
@@ -133,7 +133,8 @@ def test_sparse_writeback_keeps_cached_kv_of_tokens_not_kept(sparse):
     cached_k = kv.k.clone()
     c, n = 1, SEG[1] - SEG[0]
     scores = torch.arange(n, dtype=torch.float32)  # keeps the segment's last tokens
-    checked = probe(model, kv, ids, torch.arange(ids.numel()), [row], c, with_attention=False)
+    checked = probe(model, kv, ids, torch.arange(ids.numel()), [row], rule_named("cacheblend-k"),
+                    BlendOptions(check_layer=c))
     kept = select_kept(scores, checked.batch.reused_segments(), 0.25)
     finish(model, kv, checked, kept, BlendOptions(recompute_ratio=0.25, check_layer=c, sparse_writeback=sparse))
     slots = torch.arange(*SEG)
@@ -179,3 +180,40 @@ def test_attention_mass_is_the_same_in_chunks():
     q, k = torch.randn(7, 4, 8), torch.randn(12, 2, 8)
     whole = attention_received(q, k, torch.arange(5, 12), torch.arange(12), 0.3)
     torch.testing.assert_close(attention_received(q, k, torch.arange(5, 12), torch.arange(12), 0.3, chunk=3), whole)
+
+
+@torch.no_grad()
+def test_screen_passes_a_share_and_only_those_can_be_kept():
+    model = tiny("llama")
+    ids = prompt()
+    kv, row = reuse_row(model, ids, cached_segment(model, ids, prompt(2)[:7]))
+    cached_k = kv.k.clone()
+    n, screen = SEG[1] - SEG[0], dict(check_layer=3, screen_layer=1, screen_factor=2.0)
+    rule = rule_named("cacheblend-kv")
+    options = BlendOptions(recompute_ratio=0.25, **screen)  # the screen passes 0.5 of the reused tokens
+    checked = probe(model, kv, ids, torch.arange(ids.numel()), [row], rule, options)
+    assert checked.tracked.sum() == round(0.5 * n)
+    assert checked.rows.numel() == ids.numel() - n + round(0.5 * n)  # fresh + passed tokens
+    assert checked.state.cached_k[3].shape[0] == checked.state.cached_k[0].shape[0] == round(0.5 * n)
+    kept = select(checked, rule, options)
+    assert kept.sum() == round(0.25 * n) and not (kept & ~checked.tracked).any()
+    _, stats = finish(model, kv, checked, kept, options)
+    slots = torch.arange(*SEG)
+    for layer in range(model.num_layers):  # sparse write-back: cached KV wherever not kept
+        assert torch.equal(kv.k[layer, slots[~kept]], cached_k[layer, slots[~kept]])
+    fresh, passed = ids.numel() - n, round(0.5 * n)
+    after_check = model.num_layers - 4  # layers 0-1 on all, 2-3 on fresh + passed, then fresh + kept
+    assert stats.token_layers == ids.numel() * 2 + (fresh + passed) * 2 + (fresh + round(0.25 * n)) * after_check
+    unscreened = probe(model, kv, ids, torch.arange(ids.numel()), [row], rule,
+                       BlendOptions(recompute_ratio=0.25, check_layer=2, screen_layer=2))  # not below c: no screen
+    assert unscreened.tracked.all() and unscreened.rows.numel() == ids.numel()
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("sparse", [True, False])
+def test_screen_with_everything_passing_is_still_a_full_prefill_at_ratio_one(model, sparse):
+    ids = prompt()
+    kv, row = reuse_row(model, ids, cached_segment(model, ids, prompt(2)[:7]))
+    options = BlendOptions(recompute_ratio=1.0, check_layer=2, screen_layer=1, sparse_writeback=sparse)
+    out, _ = logits(model, ids, kv, row, options, rule_named("attention-kv"))
+    torch.testing.assert_close(out, hf_logits(model, ids), atol=1e-4, rtol=1e-4)

@@ -40,7 +40,9 @@ def test_blend_options_parse_and_validate():
                                  ("--tokendance-selection", "best", "one of cacheblend-k"),
                                  ("--tokendance-selection-granularity", "page", "one of token, block"),
                                  ("--tokendance-block-size", "0", ">= 1"),
-                                 ("--tokendance-block-head-tokens", "-1", ">= 0")]:
+                                 ("--tokendance-block-head-tokens", "-1", ">= 0"),
+                                 ("--tokendance-screen-layer", "-1", ">= 0"),
+                                 ("--tokendance-screen-factor", "0.5", ">= 1")]:
         with pytest.raises(TokenDanceArgsError, match=message) as err:
             parse([flag, value])
         assert err.value.flag == flag

@@ -62,6 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--selection-granularity", choices=GRANULARITIES, default=defaults.selection_granularity)
     p.add_argument("--block-size", type=int, default=defaults.block_size)
     p.add_argument("--no-sparse-writeback", action="store_true")
+    p.add_argument("--screen-layer", type=int, default=defaults.screen_layer,
+                   help="also run the default rule screened at this layer (0: not)")
+    p.add_argument("--screen-factor", type=float, default=defaults.screen_factor)
     p.add_argument("--continuation-tokens", type=int, default=32)
     p.add_argument("--simulation-agents", type=int, default=4)
     p.add_argument("--simulation-rounds", type=int, default=3, help="0 skips the simulation")
@@ -77,19 +80,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def config_from(args: argparse.Namespace) -> QualityConfig:
     options = BlendOptions(block_head_tokens=args.block_head_tokens, granularity=args.selection_granularity,
-                           block_size=args.block_size, sparse_writeback=not args.no_sparse_writeback)
+                           block_size=args.block_size, sparse_writeback=not args.no_sparse_writeback,
+                           screen_factor=args.screen_factor)
     return QualityConfig(num_agents=args.num_agents, prompts_per_n=args.prompts_per_n, rules=args.rules, ratios=args.ratios,
                          check_layers=args.check_layers, oracle=not args.no_oracle, options=options,
+                         screen_layer=args.screen_layer,
                          continuation_tokens=args.continuation_tokens, simulation_agents=args.simulation_agents,
                          simulation_rounds=args.simulation_rounds, history_words=args.history_words,
                          block_words=args.block_words, seed=args.seed)
 
 
 def timed_setting(config: QualityConfig) -> Setting:
-    """The server's default rule and ratio at the sweep's deepest check layer (the default
-    check layer, in the default sweep)."""
+    """The server's default rule and ratio at the sweep's deepest check layer, with the
+    sweep's screen (the server's default setting, in the default sweep)."""
     d = TokenDanceArgs()
-    return Setting(d.selection, d.recompute_ratio, max(config.check_layers))
+    deepest = max(config.check_layers)
+    return Setting(d.selection, d.recompute_ratio, deepest, config.screen_layer * (config.screen_layer < deepest))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -143,7 +149,8 @@ def plot_kl(path: Path, rows: list[dict], agents: int, x: str = "recomputed_shar
     for r in sorted(rows, key=lambda r: r[x]):
         if r["rule"] == PLAIN:
             continue
-        xs, ys = series.setdefault(f"{r['rule']} c={r['check_layer']}", ([], []))
+        screen = f" s={r['screen_layer']}" if r.get("screen_layer") else ""
+        xs, ys = series.setdefault(f"{r['rule']} c={r['check_layer']}{screen}", ([], []))
         xs.append(r[x])
         ys.append(r["kl"])
     xlabel = {"recomputed_share": "recomputed share of reused tokens",

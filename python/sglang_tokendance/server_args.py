@@ -66,6 +66,14 @@ class TokenDanceArgs:
         "attention-kv", "Rule that picks the reused tokens to recompute: "
         + ", ".join(SELECTION_RULES) + "."
     )
+    screen_layer: int = _option(
+        1, "Layer at which the selection rule first screens the reused tokens: only those that pass run "
+        "the probe on to the check layer (no screen when 0 or not below --tokendance-check-layer)."
+    )
+    screen_factor: float = _option(
+        2.0, "The screen passes this multiple of the recompute ratio of each request's reused tokens "
+        "(at most all of them; >= 1)."
+    )
     block_head_tokens: int = _option(0, "Always recompute the first this-many tokens of every reused segment.")
     selection_granularity: str = _option(
         "token", "Select single tokens, or whole blocks of --tokendance-block-size tokens (counted from "
@@ -95,6 +103,10 @@ class TokenDanceArgs:
             raise TokenDanceArgsError(flag_of(_field("block_head_tokens")), f"must be >= 0, got {self.block_head_tokens}")
         if not 0.0 <= self.recompute_ratio <= 1.0:
             raise TokenDanceArgsError(flag_of(_field("recompute_ratio")), f"must be in [0, 1], got {self.recompute_ratio}")
+        if self.screen_layer < 0:
+            raise TokenDanceArgsError(flag_of(_field("screen_layer")), f"must be >= 0, got {self.screen_layer}")
+        if self.screen_factor < 1.0:
+            raise TokenDanceArgsError(flag_of(_field("screen_factor")), f"must be >= 1, got {self.screen_factor}")
         for name, choices in (("selection", SELECTION_RULES), ("selection_granularity", GRANULARITIES)):
             if getattr(self, name) not in choices:
                 raise TokenDanceArgsError(
@@ -162,7 +174,8 @@ class TokenDanceArgs:
         """The blended prefill's options (core/blend.py) from these flags."""
         return BlendOptions(recompute_ratio=self.recompute_ratio, check_layer=self.check_layer,
                             block_head_tokens=self.block_head_tokens, granularity=self.selection_granularity,
-                            block_size=self.block_size, sparse_writeback=self.sparse_writeback)
+                            block_size=self.block_size, sparse_writeback=self.sparse_writeback,
+                            screen_layer=self.screen_layer, screen_factor=self.screen_factor)
 
 
 def tokendance_info(args: TokenDanceArgs) -> dict[str, Any]:

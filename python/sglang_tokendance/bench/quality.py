@@ -20,7 +20,7 @@ The oracle rule scores tokens by their true KV deviation from the full prefill (
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Iterable, Sequence
 
 import torch
@@ -42,12 +42,17 @@ class Setting:
     rule: str  # a selection rule, ORACLE, PLAIN (ratio 0) or FULL (the reference)
     ratio: float = 0.0
     check_layer: int = 1
+    screen_layer: int = 0  # 0: no screen
 
     @property
     def label(self) -> str:
         if self.rule in (PLAIN, FULL):
             return self.rule
-        return f"{self.rule} r={self.ratio:g} c={self.check_layer}"
+        screen = f" s={self.screen_layer}" if self.screen_layer else ""
+        return f"{self.rule} r={self.ratio:g} c={self.check_layer}{screen}"
+
+    def options(self, base: BlendOptions) -> BlendOptions:
+        return replace(base, recompute_ratio=self.ratio, check_layer=self.check_layer, screen_layer=self.screen_layer)
 
 
 @dataclass(frozen=True)
@@ -58,7 +63,8 @@ class QualityConfig:
     ratios: tuple[float, ...] = (0.15, 0.3, 0.5, 0.8)
     check_layers: tuple[int, ...] = (1, 5)
     oracle: bool = True
-    options: BlendOptions = BlendOptions()  # granularity, block size, head tokens, write-back
+    options: BlendOptions = BlendOptions()  # granularity, block size, head tokens, write-back, screen factor
+    screen_layer: int = 1  # the default rule is also run screened at this layer (0: not)
     continuation_tokens: int = 32
     simulation_agents: int = 4
     simulation_rounds: int = 3
@@ -79,6 +85,7 @@ class Sample:
     rule: str
     ratio: float
     check_layer: int
+    screen_layer: int
     prompt_tokens: int
     reused_tokens: int
     kept_tokens: int
@@ -236,11 +243,11 @@ def evaluate_prompt(runner: QualityRunner, prompt: SegmentedPrompt, store: Segme
     runs = store.place(prompt, reused_kv)
     samples = []
 
-    def record(setting: Setting, logits, kv, stats):
+    def record(setting: Setting, logits, kv, stats) -> None:
         kl, top1, top5 = kl_top(full_logits, logits)
         cont = runner.greedy(kv, len(ids), logits, steps)
         samples.append(Sample(agents, agent, setting.label, setting.rule, setting.ratio, setting.check_layer,
-                              len(ids), stats.reused_tokens, stats.kept_tokens, stats.token_layers,
+                              setting.screen_layer, len(ids), stats.reused_tokens, stats.kept_tokens, stats.token_layers,
                               stats.full_token_layers, kl, top1, top5, common_prefix(reference, cont), len(reference)))
 
     kv = _clone(reused_kv)
@@ -253,14 +260,31 @@ def evaluate_prompt(runner: QualityRunner, prompt: SegmentedPrompt, store: Segme
     row = RequestRow(0, len(ids), torch.arange(room), reused=runs)
     for c in config.check_layers:
         probed_kv = _clone(reused_kv)
-        checked = probe(runner.model, probed_kv, t, torch.arange(len(ids)), [row], c, with_attention=True)
+        # no screen: one probe serves every rule (attention-kv's makes it record the attention)
+        checked = probe(runner.model, probed_kv, t, torch.arange(len(ids)), [row], rule_named("attention-kv"),
+                        replace(config.options, check_layer=c, screen_layer=0))
         for name, rule in rules.items():
             for ratio in config.ratios:
-                options = _with(config.options, recompute_ratio=ratio, check_layer=c)
+                setting = Setting(name, ratio, c)
+                options = setting.options(config.options)
                 kv = _clone(probed_kv)
                 hidden, stats = finish(runner.model, kv, checked, select(checked, rule, options), options)
-                record(Setting(name, ratio, c), runner.model.logits(hidden[-1]), kv, stats)
+                record(setting, runner.model.logits(hidden[-1]), kv, stats)
+    for setting in filter(None, (screened_setting(config, r) for r in config.ratios)):  # own probes
+        kv = _clone(reused_kv)
+        logits, stats = runner.prefill(ids, kv, runs, setting.options(config.options), rule_named(setting.rule))
+        record(setting, logits, kv, stats)
     return samples
+
+
+def screened_setting(config: QualityConfig, ratio: float) -> Setting | None:
+    """The server's default rule at the deepest check layer, screened at config.screen_layer
+    (None when that is not below it). A screen's probe depends on the rule and the ratio, so
+    these settings do not share probes."""
+    deepest = max(config.check_layers)
+    if not 1 <= config.screen_layer < deepest:
+        return None
+    return Setting(TokenDanceArgs().selection, ratio, deepest, config.screen_layer)
 
 
 def measure_prompts(runner: QualityRunner, config: QualityConfig) -> list[Sample]:
@@ -291,7 +315,7 @@ def simulate(runner: QualityRunner, sim: Simulation, setting: Setting, options: 
     store = runner.seed_store(sim)
     blocks, rounds = list(sim.seed_messages), []
     rule = None if setting.rule in (PLAIN, FULL) else rule_named(setting.rule)
-    blend = _with(options, recompute_ratio=setting.ratio, check_layer=setting.check_layer)
+    blend = setting.options(options)
     for r in range(sim.config.num_rounds):
         outputs = []
         for i in range(len(sim.agents)):
@@ -325,11 +349,13 @@ def measure_divergence(runner: QualityRunner, config: QualityConfig) -> list[Sim
 
 
 def default_simulation_settings(config: QualityConfig) -> tuple[Setting, ...]:
-    """Plain reuse, CacheBlend's rule at its own check layer (1), and every rule at the
-    deepest check layer of the sweep, all at the server's default recompute ratio."""
+    """Plain reuse, CacheBlend's rule at its own check layer (1), every rule at the deepest
+    check layer of the sweep, and the screened default rule, all at the server's default
+    recompute ratio."""
     deepest, ratio = max(config.check_layers), TokenDanceArgs().recompute_ratio
     return (Setting(PLAIN), Setting("cacheblend-k", ratio, 1),
-            *(Setting(rule, ratio, deepest) for rule in config.rules if (rule, deepest) != ("cacheblend-k", 1)))
+            *(Setting(rule, ratio, deepest) for rule in config.rules if (rule, deepest) != ("cacheblend-k", 1)),
+            *filter(None, [screened_setting(config, ratio)]))
 
 
 @torch.no_grad()
@@ -337,7 +363,7 @@ def prefill_timing(runner: QualityRunner, config: QualityConfig, setting: Settin
     """Wall time of one round's prefills, full vs blended at `setting`, measured in one run."""
     sim = make_simulation(_workload(config, agents, rounds=1))
     store = runner.seed_store(sim)
-    options = _with(config.options, recompute_ratio=setting.ratio, check_layer=setting.check_layer)
+    options = setting.options(config.options)
     rule = rule_named(setting.rule)
     full = blended = 0.0
     work = [0, 0]
@@ -369,12 +395,6 @@ def _clone(kv: DenseKV) -> DenseKV:
     return copy
 
 
-def _with(options: BlendOptions, **changes) -> BlendOptions:
-    from dataclasses import replace
-
-    return replace(options, **changes)
-
-
 def summarize(samples: Iterable[Sample]) -> list[dict]:
     """Means over agents per (N, setting)."""
     groups: dict[tuple, list[Sample]] = {}
@@ -386,7 +406,7 @@ def summarize(samples: Iterable[Sample]) -> list[dict]:
         reused = sum(s.reused_tokens for s in group)
         rows.append({
             "agents": agents, "setting": setting, "rule": group[0].rule, "ratio": group[0].ratio,
-            "check_layer": group[0].check_layer,
+            "check_layer": group[0].check_layer, "screen_layer": group[0].screen_layer,
             "kl": sum(s.kl for s in group) / n, "kl_max": max(s.kl for s in group),
             "top1": sum(s.top1 for s in group) / n, "top5": sum(s.top5 for s in group) / n,
             "common_prefix": sum(s.common_prefix for s in group) / n,

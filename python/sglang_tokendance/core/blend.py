@@ -71,6 +71,12 @@ class BlendOptions:
     granularity: str = "token"
     block_size: int = 16
     sparse_writeback: bool = True
+    screen_layer: int = 0  # a screen runs when 1 <= screen_layer < check_layer (see `probe`)
+    screen_factor: float = 2.0  # min(1, factor x recompute_ratio) of the reused tokens pass it
+
+    @property
+    def screened(self) -> bool:
+        return 1 <= self.screen_layer < self.check_layer
 
 
 @dataclass
@@ -107,61 +113,107 @@ def blended_prefill(model: LayerwiseModel, kv: KVStore, ids: torch.Tensor, posit
         return _run_layers(model, kv, batch, model.embed(ids[computed]), computed, 0, batch.stats)
     if rule is None:
         raise ValueError("a recompute ratio above 0 needs a selection rule")
-    checked = probe(model, kv, ids, positions, requests, options.check_layer, rule.needs_attention)
+    checked = probe(model, kv, ids, positions, requests, rule, options)
     return finish(model, kv, checked, select(checked, rule, options), options)
 
 
 @dataclass
 class Probe:
-    """The state after layers 0..c ran on every token (shareable by several selections)."""
+    """The state after the probe layers (shareable by several selections): hidden states of
+    the batch tokens `rows`, and the CheckState of the reused tokens still tracked (`tracked`:
+    a mask over all reused tokens; all of them unless a screen dropped some)."""
 
     batch: "_Batch"
     check_layer: int
+    rows: torch.Tensor
     hidden: torch.Tensor
     state: CheckState
+    tracked: torch.Tensor
 
 
 def probe(model: LayerwiseModel, kv: KVStore, ids: torch.Tensor, positions: torch.Tensor,
-          requests: Sequence[RequestRow], check_layer: int, with_attention: bool) -> Probe:
+          requests: Sequence[RequestRow], rule: SelectionRule, options: BlendOptions) -> Probe:
     """Layers 0..c on every token, recomputed KV written; the reused tokens' cached KV of
-    those layers is kept in the CheckState (for scoring and sparse write-back)."""
-    if not 1 <= check_layer < model.num_layers:
-        raise ValueError(f"check layer must be in [1, {model.num_layers - 1}], got {check_layer}")
+    those layers is kept in the CheckState (for scoring and sparse write-back).
+
+    With a screen (1 <= options.screen_layer = s < c), `rule` first scores the reused tokens
+    at layer s and only the best min(1, screen_factor x recompute_ratio) of each request's go
+    on through layers s+1..c with the fresh tokens (the others get their cached KV back at
+    layers 0..s under sparse write-back): a deep check at little more than a shallow one's cost."""
+    c, s = options.check_layer, options.screen_layer if options.screened else 0
+    if not 1 <= c < model.num_layers:
+        raise ValueError(f"check layer must be in [1, {model.num_layers - 1}], got {c}")
     batch = _Batch(requests, positions, ids)
-    reused, everything = batch.reused, torch.arange(ids.shape[0], device=ids.device)
-    reused_locs = batch.locs[reused]
-    state = CheckState()
-    hidden = model.embed(ids)
-    for layer in range(check_layer + 1):
-        state.cached_k.append(kv.keys(layer)[reused_locs].clone())
-        state.cached_v.append(kv.values(layer)[reused_locs].clone())
-        attention_from = reused if with_attention and layer == check_layer else None
-        hidden, k, v = _layer(model, kv, batch, layer, hidden, everything, attention_from, state)
-        state.computed_k.append(k[reused])
-        state.computed_v.append(v[reused])
-    batch.stats.token_layers += ids.shape[0] * (check_layer + 1)
-    return Probe(batch, check_layer, hidden, state)
+    checked = Probe(batch, c, torch.arange(ids.shape[0], device=ids.device), model.embed(ids), CheckState(),
+                    torch.ones(batch.stats.reused_tokens, dtype=torch.bool, device=ids.device))
+    if s:
+        _probe_layers(model, kv, checked, range(s + 1), rule.needs_attention)
+        share = min(1.0, options.screen_factor * options.recompute_ratio)
+        passed = select_kept(rule.score(checked.state), batch.reused_segments(), share,
+                             granularity=options.granularity, block_size=options.block_size,
+                             head_tokens=options.block_head_tokens)
+        _drop_tracked(kv, checked, ~passed, options.sparse_writeback)
+    _probe_layers(model, kv, checked, range(s + 1 if s else 0, c + 1), rule.needs_attention)
+    return checked
+
+
+def _probe_layers(model, kv, checked: Probe, layers: range, with_attention: bool) -> None:
+    batch, state = checked.batch, checked.state
+    tracked = batch.reused.clone()
+    tracked[batch.reused] = checked.tracked  # batch mask of the tracked reused tokens
+    in_rows = tracked[checked.rows]
+    for layer in layers:
+        state.cached_k.append(kv.keys(layer)[batch.locs[tracked]].clone())
+        state.cached_v.append(kv.values(layer)[batch.locs[tracked]].clone())
+        attention_from = tracked if with_attention and layer == layers[-1] else None
+        checked.hidden, k, v = _layer(model, kv, batch, layer, checked.hidden, checked.rows, attention_from, state)
+        state.computed_k.append(k[in_rows])
+        state.computed_v.append(v[in_rows])
+    batch.stats.token_layers += checked.rows.numel() * len(layers)
+
+
+def _drop_tracked(kv, checked: Probe, drop: torch.Tensor, sparse_writeback: bool) -> None:
+    """Stop tracking the tracked reused tokens `drop` (a mask over the tracked ones)."""
+    batch, state = checked.batch, checked.state
+    reused_rows = batch.reused.nonzero().squeeze(1)[checked.tracked]
+    if sparse_writeback:
+        for layer in range(len(state.cached_k)):
+            kv.write(layer, batch.locs[reused_rows[drop]], state.cached_k[layer][drop], state.cached_v[layer][drop])
+    keep = ~drop
+    for arrays in (state.cached_k, state.cached_v, state.computed_k, state.computed_v):
+        arrays[:] = [a[keep] for a in arrays]
+    still = torch.ones(checked.rows.numel(), dtype=torch.bool, device=drop.device)
+    still[torch.isin(checked.rows, reused_rows[drop])] = False
+    checked.rows, checked.hidden = checked.rows[still], checked.hidden[still]
+    checked.tracked = checked.tracked.clone()
+    checked.tracked[checked.tracked.clone()] = keep
 
 
 def select(checked: Probe, rule: SelectionRule, options: BlendOptions) -> torch.Tensor:
-    """The kept mask over the reused tokens under `options`."""
-    return select_kept(rule.score(checked.state), checked.batch.reused_segments(), options.recompute_ratio,
+    """The kept mask over the reused tokens under `options` (only tracked tokens can be kept)."""
+    scores = torch.full(checked.tracked.shape, float("-inf"), device=checked.tracked.device)
+    scores[checked.tracked] = rule.score(checked.state).float()
+    return select_kept(scores, checked.batch.reused_segments(), options.recompute_ratio,
                        granularity=options.granularity, block_size=options.block_size,
-                       head_tokens=options.block_head_tokens)
+                       head_tokens=options.block_head_tokens) & checked.tracked
 
 
 def finish(model: LayerwiseModel, kv: KVStore, checked: Probe, kept: torch.Tensor,
            options: BlendOptions) -> tuple[torch.Tensor, BlendStats]:
     """Layers c+1..L-1 on the fresh and kept tokens (after sparse write-back, if on)."""
     batch, c, state = checked.batch, checked.check_layer, checked.state
+    dropped = (checked.tracked & ~kept)[checked.tracked]  # over the tracked tokens
     if options.sparse_writeback:
-        dropped = batch.locs[batch.reused][~kept]
+        reused_rows = batch.reused.nonzero().squeeze(1)[checked.tracked]
         for layer in range(c + 1):
-            kv.write(layer, dropped, state.cached_k[layer][~kept], state.cached_v[layer][~kept])
+            kv.write(layer, batch.locs[reused_rows[dropped]], state.cached_k[layer][dropped],
+                     state.cached_v[layer][dropped])
     computed = ~batch.reused
     computed[batch.reused] = kept
+    where = torch.full((computed.numel(),), -1, dtype=torch.int64, device=computed.device)
+    where[checked.rows] = torch.arange(checked.rows.numel(), device=computed.device)
     stats = dataclasses.replace(batch.stats, kept=kept, kept_tokens=int(kept.sum()))
-    return _run_layers(model, kv, batch, checked.hidden[computed], computed, c + 1, stats)
+    return _run_layers(model, kv, batch, checked.hidden[where[computed]], computed, c + 1, stats)
 
 
 def _run_layers(model, kv, batch: "_Batch", hidden, computed: torch.Tensor, first_layer: int,
