@@ -5,7 +5,9 @@ token: no KV yet) or reused (their segment's cached KV was rotated into their sl
 forward). With recompute ratio r > 0:
 
 1. probe: layers 0..c run on every token, writing their recomputed KV (a full prefill of
-   those layers; the reused tokens' cached KV is kept aside);
+   those layers; the reused tokens' cached KV is kept aside) -- optionally with a screen at
+   a shallower layer s, after which only the reused tokens the rule ranks best there (a few
+   times r) run on to c;
 2. check: a selection rule (core/selection.py) scores the reused tokens at layer c and the
    top r of them (per request) are kept for recompute;
 3. layers c+1..L-1 run on the fresh and kept tokens only; the others keep their cached KV.
@@ -172,18 +174,26 @@ def _probe_layers(model, kv, checked: Probe, layers: range, with_attention: bool
     batch.stats.token_layers += checked.rows.numel() * len(layers)
 
 
+def _restore_cached(kv, checked: Probe, drop: torch.Tensor, layers: range) -> None:
+    """Sparse write-back: the tracked reused tokens `drop` (a mask over the tracked ones) get
+    their cached KV back at `layers`."""
+    rows = checked.batch.reused.nonzero().squeeze(1)[checked.tracked][drop]
+    for layer in layers:
+        kv.write(layer, checked.batch.locs[rows], checked.state.cached_k[layer][drop],
+                 checked.state.cached_v[layer][drop])
+
+
 def _drop_tracked(kv, checked: Probe, drop: torch.Tensor, sparse_writeback: bool) -> None:
     """Stop tracking the tracked reused tokens `drop` (a mask over the tracked ones)."""
-    batch, state = checked.batch, checked.state
-    reused_rows = batch.reused.nonzero().squeeze(1)[checked.tracked]
+    state = checked.state
     if sparse_writeback:
-        for layer in range(len(state.cached_k)):
-            kv.write(layer, batch.locs[reused_rows[drop]], state.cached_k[layer][drop], state.cached_v[layer][drop])
+        _restore_cached(kv, checked, drop, range(len(state.cached_k)))
+    dropped_rows = checked.batch.reused.nonzero().squeeze(1)[checked.tracked][drop]
     keep = ~drop
     for arrays in (state.cached_k, state.cached_v, state.computed_k, state.computed_v):
         arrays[:] = [a[keep] for a in arrays]
     still = torch.ones(checked.rows.numel(), dtype=torch.bool, device=drop.device)
-    still[torch.isin(checked.rows, reused_rows[drop])] = False
+    still[torch.isin(checked.rows, dropped_rows)] = False
     checked.rows, checked.hidden = checked.rows[still], checked.hidden[still]
     checked.tracked = checked.tracked.clone()
     checked.tracked[checked.tracked.clone()] = keep
@@ -201,13 +211,9 @@ def select(checked: Probe, rule: SelectionRule, options: BlendOptions) -> torch.
 def finish(model: LayerwiseModel, kv: KVStore, checked: Probe, kept: torch.Tensor,
            options: BlendOptions) -> tuple[torch.Tensor, BlendStats]:
     """Layers c+1..L-1 on the fresh and kept tokens (after sparse write-back, if on)."""
-    batch, c, state = checked.batch, checked.check_layer, checked.state
-    dropped = (checked.tracked & ~kept)[checked.tracked]  # over the tracked tokens
+    batch, c = checked.batch, checked.check_layer
     if options.sparse_writeback:
-        reused_rows = batch.reused.nonzero().squeeze(1)[checked.tracked]
-        for layer in range(c + 1):
-            kv.write(layer, batch.locs[reused_rows[dropped]], state.cached_k[layer][dropped],
-                     state.cached_v[layer][dropped])
+        _restore_cached(kv, checked, (checked.tracked & ~kept)[checked.tracked], range(c + 1))
     computed = ~batch.reused
     computed[batch.reused] = kept
     where = torch.full((computed.numel(),), -1, dtype=torch.int64, device=computed.device)
