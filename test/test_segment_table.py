@@ -1,4 +1,4 @@
-"""core/segment_table: one entry per hash, lock refs, LRU order, sizes."""
+"""core/segment_table: one entry per hash, LRU order, sizes."""
 
 from __future__ import annotations
 
@@ -25,8 +25,10 @@ def test_lru_order_follows_lookups():
     assert table.oldest() is a
     assert table.lookup("a") is a and a.hits == 1
     assert table.oldest() is b
+    table.count_duplicate("b")
+    assert table.oldest() is a
     assert torch.equal(table.remove(b), torch.arange(2, 4)) and table.evicted == 1
-    assert table.lookup("b") is None
+    assert table.lookup("b") is None and table.tokens == 2
 
 
 def test_clear_returns_all_slots_and_stats_count_bytes():

@@ -10,6 +10,7 @@ copied into the request's own slots, right after allocation, when nothing can ev
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -27,8 +28,12 @@ class SegmentEntry:
 
 
 class SegmentTable:
+    """Entries in LRU order (oldest first) and a running token count, so that the scheduler's
+    per-step `evictable_size()` and each eviction are O(1) however many segments are cached."""
+
     def __init__(self) -> None:
-        self.entries: dict[str, SegmentEntry] = {}
+        self.entries: OrderedDict[str, SegmentEntry] = OrderedDict()
+        self.tokens = 0
         self.inserted = 0
         self.duplicates = 0
         self.evicted = 0
@@ -42,37 +47,40 @@ class SegmentTable:
             raise KeyError(f"segment {segment_hash} is already cached")
         entry = SegmentEntry(segment_hash, slots)
         self.entries[segment_hash] = entry
+        self.tokens += len(entry)
         self.inserted += 1
         return entry
 
     def count_duplicate(self, segment_hash: str) -> None:
         self.duplicates += 1
-        self.entries[segment_hash].last_access_time = time.monotonic()
+        self._touch(self.entries[segment_hash])
 
     def lookup(self, segment_hash: str) -> SegmentEntry | None:
         entry = self.entries.get(segment_hash)
         if entry is not None:
             entry.hits += 1
-            entry.last_access_time = time.monotonic()
+            self._touch(entry)
         return entry
 
+    def _touch(self, entry: SegmentEntry) -> None:
+        entry.last_access_time = time.monotonic()
+        self.entries.move_to_end(entry.hash)
+
     def oldest(self) -> SegmentEntry | None:
-        return min(self.entries.values(), key=lambda e: e.last_access_time, default=None)
+        return next(iter(self.entries.values()), None)
 
     def remove(self, entry: SegmentEntry) -> torch.Tensor:
         """Drop an entry; returns its slots for the caller to free."""
         del self.entries[entry.hash]
+        self.tokens -= len(entry)
         self.evicted += 1
         return entry.slots
 
     def clear(self) -> list[torch.Tensor]:
         slots = [e.slots for e in self.entries.values()]
         self.entries.clear()
+        self.tokens = 0
         return slots
-
-    @property
-    def tokens(self) -> int:
-        return sum(len(e) for e in self.entries.values())
 
     def stats(self, bytes_per_token: int) -> dict:
         tokens = self.tokens
