@@ -83,4 +83,6 @@ def test_input_logprob_requests_take_sglangs_path(default_server):
             "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
     out = requests.post(url + "/generate", json=body, timeout=300).json()
     assert "reused_tokens" not in out["meta_info"]["tokendance"]
+    without = generate(url, READER.replace("Oskar", "Quinn"), 2)["meta_info"]["tokendance"]
+    assert without["segment_hits"] == 2  # the same prompt reuses when it asks for no input logprobs
     assert len(out["meta_info"]["input_token_logprobs"]) == out["meta_info"]["prompt_tokens"]

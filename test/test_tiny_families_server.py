@@ -1,7 +1,7 @@
 """The blended prefill on every supported family's SGLang decoder (tiny random weights):
 Mistral (LlamaModel), Qwen2 (Qwen2Model) and Qwen3 (Qwen3Model, per-head q/k norm).
 At recompute ratio 1 a request whose blocks hit the forest gets SGLang's own full-prefill
-answer; at the same position in the same context the reused KV is exact, so ratio 0 gives it too."""
+answer."""
 
 from __future__ import annotations
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from sglang_tokendance.core.blend import BlendOptions, RequestRow, blended_prefill
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
@@ -78,11 +80,14 @@ class DenseKV:
         self.k[layer, slots] = k
         self.v[layer, slots] = v
 
+    def clone(self) -> "DenseKV":
+        copy = DenseKV.__new__(DenseKV)
+        copy.k, copy.v = self.k.clone(), self.v.clone()
+        return copy
+
 
 def full_prefill(model: HFLayerwise, ids: torch.Tensor) -> tuple[torch.Tensor, DenseKV]:
     """One request's plain prefill: final normed hidden states and its KV (slot = position)."""
-    from sglang_tokendance.core.blend import BlendOptions, RequestRow, blended_prefill
-
     kv = DenseKV(model.num_layers, ids.numel(), *model.kv_shape())
     row = RequestRow(prefix_len=0, num_tokens=ids.numel(), slots=torch.arange(ids.numel()))
     hidden, _ = blended_prefill(model, kv, ids, torch.arange(ids.numel()), [row], BlendOptions(), None)

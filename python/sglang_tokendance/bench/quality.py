@@ -250,7 +250,7 @@ def evaluate_prompt(runner: QualityRunner, prompt: SegmentedPrompt, store: Segme
                               setting.screen_layer, len(ids), stats.reused_tokens, stats.kept_tokens, stats.token_layers,
                               stats.full_token_layers, kl, top1, top5, common_prefix(reference, cont), len(reference)))
 
-    kv = _clone(reused_kv)
+    kv = reused_kv.clone()
     logits, stats = runner.prefill(ids, kv, runs, BlendOptions())
     record(Setting(PLAIN), logits, kv, stats)
     rules = {name: rule_named(name) for name in config.rules}
@@ -259,7 +259,7 @@ def evaluate_prompt(runner: QualityRunner, prompt: SegmentedPrompt, store: Segme
     t = torch.tensor(ids)
     row = RequestRow(0, len(ids), torch.arange(room), reused=runs)
     for c in config.check_layers:
-        probed_kv = _clone(reused_kv)
+        probed_kv = reused_kv.clone()
         # no screen: one probe serves every rule (attention-kv's makes it record the attention)
         checked = probe(runner.model, probed_kv, t, torch.arange(len(ids)), [row], rule_named("attention-kv"),
                         replace(config.options, check_layer=c, screen_layer=0))
@@ -267,11 +267,11 @@ def evaluate_prompt(runner: QualityRunner, prompt: SegmentedPrompt, store: Segme
             for ratio in config.ratios:
                 setting = Setting(name, ratio, c)
                 options = setting.options(config.options)
-                kv = _clone(probed_kv)
+                kv = probed_kv.clone()
                 hidden, stats = finish(runner.model, kv, checked, select(checked, rule, options), options)
                 record(setting, runner.model.logits(hidden[-1]), kv, stats)
     for setting in filter(None, (screened_setting(config, r) for r in config.ratios)):  # own probes
-        kv = _clone(reused_kv)
+        kv = reused_kv.clone()
         logits, stats = runner.prefill(ids, kv, runs, setting.options(config.options), rule_named(setting.rule))
         record(setting, logits, kv, stats)
     return samples
@@ -387,12 +387,6 @@ def prefill_timing(runner: QualityRunner, config: QualityConfig, setting: Settin
 def _workload(config: QualityConfig, agents: int, rounds: int):
     return preset_config(config.preset, num_agents=agents, num_rounds=rounds, history_words=config.history_words,
                          block_words=config.block_words, max_new_tokens=config.continuation_tokens, seed=config.seed)
-
-
-def _clone(kv: DenseKV) -> DenseKV:
-    copy = DenseKV.__new__(DenseKV)
-    copy.k, copy.v = kv.k.clone(), kv.v.clone()
-    return copy
 
 
 def summarize(samples: Iterable[Sample]) -> list[dict]:

@@ -132,6 +132,10 @@ class Probe:
     state: CheckState
     tracked: torch.Tensor
 
+    def tracked_rows(self) -> torch.Tensor:
+        """Batch indices of the tracked reused tokens (the CheckState's order)."""
+        return self.batch.reused.nonzero().squeeze(1)[self.tracked]
+
 
 def probe(model: LayerwiseModel, kv: KVStore, ids: torch.Tensor, positions: torch.Tensor,
           requests: Sequence[RequestRow], rule: SelectionRule, options: BlendOptions) -> Probe:
@@ -165,8 +169,8 @@ def _probe_layers(model, kv, checked: Probe, layers: range, with_attention: bool
     tracked[batch.reused] = checked.tracked  # batch mask of the tracked reused tokens
     in_rows = tracked[checked.rows]
     for layer in layers:
-        state.cached_k.append(kv.keys(layer)[batch.locs[tracked]].clone())
-        state.cached_v.append(kv.values(layer)[batch.locs[tracked]].clone())
+        state.cached_k.append(kv.keys(layer)[batch.locs[tracked]])  # indexing copies
+        state.cached_v.append(kv.values(layer)[batch.locs[tracked]])
         attention_from = tracked if with_attention and layer == layers[-1] else None
         checked.hidden, k, v = _layer(model, kv, batch, layer, checked.hidden, checked.rows, attention_from, state)
         state.computed_k.append(k[in_rows])
@@ -177,7 +181,7 @@ def _probe_layers(model, kv, checked: Probe, layers: range, with_attention: bool
 def _restore_cached(kv, checked: Probe, drop: torch.Tensor, layers: range) -> None:
     """Sparse write-back: the tracked reused tokens `drop` (a mask over the tracked ones) get
     their cached KV back at `layers`."""
-    rows = checked.batch.reused.nonzero().squeeze(1)[checked.tracked][drop]
+    rows = checked.tracked_rows()[drop]
     for layer in layers:
         kv.write(layer, checked.batch.locs[rows], checked.state.cached_k[layer][drop],
                  checked.state.cached_v[layer][drop])
@@ -188,15 +192,16 @@ def _drop_tracked(kv, checked: Probe, drop: torch.Tensor, sparse_writeback: bool
     state = checked.state
     if sparse_writeback:
         _restore_cached(kv, checked, drop, range(len(state.cached_k)))
-    dropped_rows = checked.batch.reused.nonzero().squeeze(1)[checked.tracked][drop]
+    dropped_rows = checked.tracked_rows()[drop]
     keep = ~drop
     for arrays in (state.cached_k, state.cached_v, state.computed_k, state.computed_v):
         arrays[:] = [a[keep] for a in arrays]
     still = torch.ones(checked.rows.numel(), dtype=torch.bool, device=drop.device)
     still[torch.isin(checked.rows, dropped_rows)] = False
     checked.rows, checked.hidden = checked.rows[still], checked.hidden[still]
-    checked.tracked = checked.tracked.clone()
-    checked.tracked[checked.tracked.clone()] = keep
+    tracked = checked.tracked.clone()
+    tracked[checked.tracked] = keep
+    checked.tracked = tracked
 
 
 def select(checked: Probe, rule: SelectionRule, options: BlendOptions) -> torch.Tensor:

@@ -29,7 +29,8 @@ class SegmentEntry:
 
 class SegmentTable:
     """Entries in LRU order (oldest first) and a running token count, so that the scheduler's
-    per-step `evictable_size()` and each eviction are O(1) however many segments are cached."""
+    per-step `evictable_size()` and finding the oldest segment are O(1) however many segments
+    are cached (the tree-leaf side of the joint eviction is SGLang's own)."""
 
     def __init__(self) -> None:
         self.entries: OrderedDict[str, SegmentEntry] = OrderedDict()

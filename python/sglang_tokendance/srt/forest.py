@@ -111,13 +111,16 @@ class SegmentForest(RadixCache):
         self.segments.insert(segment_hash, slots)
 
     def insert_segments(self, req, up_to: int) -> None:
-        """Cache the request's shared segments whose exact KV is complete (end <= up_to)."""
-        done: set[int] = req.__dict__.setdefault("_tokendance_inserted", set())
+        """Cache the request's shared segments whose exact KV is complete (end <= up_to).
+
+        SGLang checkpoints a request after every step; its spans are parsed once and only the
+        ones still pending are looked at."""
+        pending = req.__dict__.get("_tokendance_pending")
+        if pending is None:
+            pending = carried_spans(req.sampling_params.custom_params)
+        req._tokendance_pending = [span for span in pending if span.end > up_to]
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
-        for span in carried_spans(req.sampling_params.custom_params):
-            if span.end > up_to or span.start in done:
-                continue
-            done.add(span.start)
+        for span in (span for span in pending if span.end <= up_to):
             if span.hash in self.segments:
                 self.segments.count_duplicate(span.hash)
                 continue
@@ -135,8 +138,10 @@ class SegmentForest(RadixCache):
                 req.customized_info = {**(req.customized_info or {}), REUSE_INFO_KEY: [info]}
 
     def _restore_one(self, req) -> dict | None:
+        if not self.reuse or _wants_input_logprobs(req):
+            return None
         spans = carried_spans(req.sampling_params.custom_params)
-        if not spans or not self.reuse or _wants_input_logprobs(req):
+        if not spans:
             return None
         prefix, extend_end = req.prefix_len, req.extend_end
         last_fresh = len(req.origin_input_ids) - 1  # the last prompt token is always computed
@@ -180,6 +185,8 @@ class SegmentForest(RadixCache):
 
     def take_reuse_rows(self, forward_batch) -> list[RequestRow] | None:
         """The blended prefill's view of an extend batch in which some request reuses, else None."""
+        if not self.reused_runs:  # the common case: no request of this batch reuses
+            return None
         runs = [self.reused_runs.pop(rid, None) for rid in forward_batch.rids]
         if all(r is None for r in runs):
             return None
