@@ -165,6 +165,22 @@ def test_select_kept_budget_heads_and_blocks():
         select_kept(scores, segments, 0.1, granularity="page")
 
 
+def test_a_segment_split_over_chunks_is_cut_like_the_whole_one():
+    """A run that starts inside its segment (the segment began in an earlier prefill chunk)
+    counts blocks and head tokens from the segment's start, not from the run's."""
+    scores = torch.rand(40)
+    # the same segment seen as two runs: tokens 0..19 in one chunk, 20..39 in the next
+    first = select_kept(scores[:20], [[ReusedSegment(0, 20)]], 0.5, granularity="block", block_size=8)
+    second = select_kept(scores[20:], [[ReusedSegment(0, 20, offset=20)]], 0.5, granularity="block", block_size=8)
+    for part, start in ((first, 0), (second, 20)):
+        blocks = {(start + int(i)) // 8 for i in part.nonzero().squeeze(1)}
+        for b in blocks:  # every kept block is kept whole within the run: [b*8, b*8+8) ∩ run
+            lo, hi = max(b * 8, start), min(b * 8 + 8, start + 20)
+            assert part[lo - start:hi - start].all()
+    heads = select_kept(torch.zeros(20), [[ReusedSegment(0, 20, offset=20)]], 0.0, head_tokens=4)
+    assert not heads.any()  # the segment's head tokens were in the earlier chunk
+
+
 def test_rules_and_attention_mass():
     with pytest.raises(ValueError, match="unknown selection rule"):
         rule_named("best")

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import NamedTuple, Protocol, Sequence
 
 import torch
 
@@ -81,16 +81,26 @@ class BlendOptions:
         return 1 <= self.screen_layer < self.check_layer
 
 
+class ReusedRun(NamedTuple):
+    """Reused tokens [start, end), relative to the request's first extend token, restored from
+    one cached segment whose token `segment_offset` is the run's first (non-zero when the
+    segment began in an earlier prefill chunk or inside the radix prefix)."""
+
+    start: int
+    end: int
+    segment_offset: int = 0
+
+
 @dataclass
 class RequestRow:
     """One request of the batch: its `num_tokens` extend tokens follow `prefix_len` tokens
     already in its KV row `slots` ([prefix_len + num_tokens]); `reused` lists its runs of
-    reused tokens, relative to its first extend token."""
+    reused tokens (ReusedRun, or a plain (start, end) pair for a run from a segment's start)."""
 
     prefix_len: int
     num_tokens: int
     slots: torch.Tensor
-    reused: Sequence[tuple[int, int]] = ()
+    reused: Sequence[ReusedRun | tuple[int, int]] = ()
 
 
 @dataclass
@@ -277,14 +287,15 @@ class _Batch:
             raise ValueError(f"the requests hold {start} extend tokens but {ids.shape[0]} ids were given")
         self.locs = torch.cat([r.slots[r.prefix_len:r.prefix_len + r.num_tokens] for r in self.requests]).to(torch.int64)
         self.reused = torch.zeros(start, dtype=torch.bool, device=ids.device)
-        for first, r in zip(self.starts, self.requests):
-            for a, b in r.reused:
-                self.reused[first + a:first + b] = True
+        self.runs = [[ReusedRun(*run) for run in r.reused] for r in self.requests]
+        for first, runs in zip(self.starts, self.runs):
+            for run in runs:
+                self.reused[first + run.start:first + run.end] = True
         self.stats = BlendStats(reused_tokens=int(self.reused.sum()))
 
     def reused_segments(self) -> list[list[ReusedSegment]]:
-        return [[ReusedSegment(start + a, start + b) for a, b in r.reused]
-                for start, r in zip(self.starts, self.requests)]
+        return [[ReusedSegment(start + run.start, start + run.end, run.segment_offset) for run in runs]
+                for start, runs in zip(self.starts, self.runs)]
 
     def views(self, rows: torch.Tensor):
         """Per request with tokens among `rows`: (their indices into rows, the request, its

@@ -89,10 +89,13 @@ def rule_named(name: str) -> SelectionRule:
 @dataclass(frozen=True)
 class ReusedSegment:
     """A run of reused tokens restored from one cached segment: [start, end) in the flattened
-    batch; it begins at the segment's first token (blocks are counted from there)."""
+    batch, whose first token is token `offset` of its segment (blocks and head tokens are
+    counted from the segment's start, so a segment split over prefill chunks is cut the same
+    way in every chunk)."""
 
     start: int
     end: int
+    offset: int = 0
 
 
 def select_kept(scores: torch.Tensor, requests: Sequence[Sequence[ReusedSegment]], ratio: float, *,
@@ -108,9 +111,11 @@ def select_kept(scores: torch.Tensor, requests: Sequence[Sequence[ReusedSegment]
     for segments in requests:
         units, heads = [], []  # per reused token: its unit id, whether it is a head token
         for seg in segments:
-            within = torch.arange(seg.end - seg.start, device=scores.device)
+            if seg.end <= seg.start:
+                continue
+            within = torch.arange(seg.offset, seg.offset + seg.end - seg.start, device=scores.device)
             per_unit = within // block_size if granularity == "block" else within
-            units.append(per_unit + (units[-1].max() + 1 if units else 0))
+            units.append(per_unit - per_unit[0] + (units[-1].max() + 1 if units else 0))
             heads.append(within < head_tokens)
         if not units:
             continue
