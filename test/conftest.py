@@ -46,3 +46,44 @@ def generate(url: str, text, max_new_tokens: int = 16, **extra) -> dict:
     r = requests.post(url + "/generate", json=body, timeout=300)
     r.raise_for_status()
     return r.json()
+
+
+def forest_stats(url: str) -> dict | None:
+    """The segment forest's counters in /server_info (None on a server without it)."""
+    info = requests.get(url + "/server_info", timeout=60).json()
+    return info["internal_states"][0].get("tokendance_forest")
+
+
+def assert_no_leak(url: str, timeout: float = 20.0) -> None:
+    """At quiescence, before any flush: every used KV slot belongs to the radix tree or to a
+    segment, the tree holds no lock, and no per-request state is left behind. The scheduler
+    releases a request just after answering it, so this waits a little for quiescence."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = forest_stats(url)
+        if stats is None:
+            return
+        used = stats["pool_tokens"] - stats["free_tokens"]
+        owned = stats["tree_evictable_tokens"] + stats["segment_tokens"]
+        quiet = stats["tree_protected_tokens"] == 0 and stats["live_requests"] == 0
+        if (quiet and used == owned) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert stats["tree_protected_tokens"] == 0 and stats["live_requests"] == 0, stats
+    assert used == owned, f"{used} KV slots in use, {owned} held by the tree and segments: {stats}"
+
+
+@pytest.fixture(autouse=True)
+def no_kv_leak_after_server_tests(request):
+    """After every test that used a TokenDance server fixture (a fixture named *server whose
+    value is its URL): the leak invariant at quiescence."""
+    yield
+    if request.node.get_closest_marker("slow") is None:
+        return
+    for name in request.fixturenames:
+        if name.endswith("server") and name in request.node.funcargs:
+            url = request.node.funcargs[name]
+            if isinstance(url, str) and url.startswith("http"):
+                assert_no_leak(url)

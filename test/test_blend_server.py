@@ -42,9 +42,9 @@ def full_ratio_server(smollm2_path):
 def test_ratio_one_equals_a_full_prefill(full_ratio_server):
     url = full_ratio_server
     requests.post(url + "/flush_cache", timeout=60)
-    reference = with_logprobs(url, READER, "reference")  # nothing cached yet: SGLang's own prefill
-    generate(url, AUTHOR, 2)  # caches both blocks in Mira's context
-    blended = with_logprobs(url, READER, "blended")  # own salt: no radix hit, segments only
+    reference = with_logprobs(url, READER, "reference")  # its own namespace, nothing cached: SGLang's prefill
+    with_logprobs(url, AUTHOR, "round", 2)  # caches both blocks in Mira's context
+    blended = with_logprobs(url, READER, "round")  # same namespace: segments hit, no radix prefix past "You are"
     info = blended["meta_info"]["tokendance"]
     assert info["segment_hits"] == 2 and info["reused_tokens"] == 0 and info["recomputed_tokens"] > 0
     assert blended["output_ids"] == reference["output_ids"]

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from conftest import generate
+from conftest import assert_no_leak, forest_stats, generate
 from sglang_tokendance.core.segments import DEFAULT_SEPARATOR as SEP
 from sglang_tokendance.server_process import ServerProcess
 
@@ -28,11 +28,6 @@ PREFIX_PROMPTS = [
     "A different story about a sailor",
     "The history of the town of Oakvale begins with a mill and a river",
 ]
-
-
-def forest_stats(url: str) -> dict:
-    info = requests.get(url + "/server_info", timeout=60).json()
-    return info["internal_states"][0]["tokendance_forest"]
 
 
 def used_tokens(url: str) -> int:
@@ -112,6 +107,7 @@ def test_small_kv_budget_evicts_and_every_request_finishes(smollm2_path):
         stats = forest_stats(small.url)
         assert stats["segments_evicted"] > 0
         assert stats["segment_tokens"] + stats["tree_evictable_tokens"] <= 1200
+        assert_no_leak(small.url)
 
 
 def test_segment_copy_stores_unrotated_k_and_same_v():
@@ -120,7 +116,7 @@ def test_segment_copy_stores_unrotated_k_and_same_v():
     import torch
 
     from sglang_tokendance.core.rope import RopeSpec, rotate, unrotate
-    from sglang_tokendance.srt.forest import SegmentForest
+    from sglang_tokendance.srt.kv_copy import copy_kv
 
     spec = RopeSpec(head_dim=8, rotary_dim=8, base=10000.0)
     raw_k = torch.randn(2, 5, 3, 8)  # layers, tokens, heads, dim
@@ -134,9 +130,8 @@ def test_segment_copy_stores_unrotated_k_and_same_v():
         v_buffers[layer][src] = values[layer]
     pool = SimpleNamespace(start_layer=0, layer_num=2, get_key_buffer=k_buffers.__getitem__,
                            get_value_buffer=v_buffers.__getitem__)
-    fake = SimpleNamespace(rope=spec, token_to_kv_pool_allocator=SimpleNamespace(get_kvcache=lambda: pool))
     dst = torch.tensor([12, 13, 14, 15, 16])
-    SegmentForest._copy_kv(fake, src, dst, 11, unrotate)
+    copy_kv(pool, src, dst, positions, unrotate, spec)
     for layer in range(2):
         assert torch.allclose(k_buffers[layer][dst], raw_k[layer], atol=1e-5)
         assert torch.equal(v_buffers[layer][dst], values[layer])
@@ -146,26 +141,23 @@ H_MIRA = "You are Mira, the baker of Oakvale. Yesterday you sold rye bread to th
 
 
 def generate_salted(url: str, text: str, salt: str, max_new_tokens: int = 16) -> dict:
-    """A cache_salt puts the request in its own radix namespace: no private-prefix hit, so
-    the segments can only come from the forest."""
     body = {"text": text, "cache_salt": salt, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}}
     r = requests.post(url + "/generate", json=body, timeout=300)
     r.raise_for_status()
     return r.json()
 
 
-def test_reuse_at_the_same_position_and_context_matches_full_prefill(server):
+def test_segments_never_cross_cache_salts(server):
+    """A cache_salt is SGLang's tenant namespace: segments are isolated like its tree."""
     requests.post(server + "/flush_cache", timeout=60)
-    prompt = SEP.join([H_MIRA, BLOCKS[0], BLOCKS[1], " Mira says:"])
-    full = generate_salted(server, prompt, "a")
-    reused = generate_salted(server, prompt, "b")
-    assert reused["output_ids"] == full["output_ids"]
-    assert full["meta_info"]["tokendance"]["reused_tokens"] == 0
-    info = reused["meta_info"]["tokendance"]
-    seg_tokens = sum(s["end"] - s["start"] for s in info["segments"])
-    assert info["segment_hits"] == 2 and info["reused_tokens"] == seg_tokens
-    assert info["computed_tokens"] == reused["meta_info"]["prompt_tokens"] - seg_tokens
-    assert reused["meta_info"]["cached_tokens"] == 0
+    generate_salted(server, SEP.join([H_MIRA, BLOCKS[0], BLOCKS[1], " Mira says:"]), "tenant-a", 2)
+    reader = SEP.join(["You are Oskar.", BLOCKS[1], BLOCKS[0], " Oskar says:"])
+    other = generate_salted(server, reader, "tenant-b", 2)["meta_info"]["tokendance"]
+    assert other["segment_hits"] == 0 and other["segment_misses"] == 2 and other["reused_tokens"] == 0
+    plain = generate(server, reader.replace("Oskar", "Pia"), 2)["meta_info"]["tokendance"]  # no salt either
+    assert plain["segment_hits"] == 0
+    same = generate_salted(server, reader.replace("Oskar", "Ilse"), "tenant-a", 2)["meta_info"]["tokendance"]
+    assert same["segment_hits"] == 2 and same["reused_tokens"] > 0
 
 
 def test_reuse_at_another_offset_runs_and_keeps_approximate_kv_out_of_the_tree(server):

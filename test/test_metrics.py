@@ -38,13 +38,11 @@ def test_series_count_restores_and_hold_bytes():
 
 
 def test_forest_reports_bytes_held_after_evicting_segments():
-    from types import SimpleNamespace
-
     import torch
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-    from sglang_tokendance.srt.forest import SegmentForest
     from sglang_tokendance.srt.metrics import ForestMetrics
+    from test_forest_units import make_forest
 
     class Recorder(ForestMetrics):
         held_updates = 0
@@ -52,13 +50,12 @@ def test_forest_reports_bytes_held_after_evicting_segments():
         def update_held(self) -> None:
             self.held_updates += 1
 
-    table = SegmentTable()
-    table.insert("a", torch.arange(4))
-    table.insert("b", torch.arange(4, 8))
-    forest = SimpleNamespace(segments=table, evictable_leaves=[], metrics=Recorder(),
-                             token_to_kv_pool_allocator=SimpleNamespace(free=lambda slots: None))
-    assert SegmentForest.evict(forest, EvictParams(num_tokens=4)).num_tokens_evicted == 4
-    assert list(table.entries) == ["b"] and forest.metrics.held_updates == 1
+    forest = make_forest()
+    forest.metrics = Recorder()
+    forest.segments.insert("a", torch.arange(4))
+    forest.segments.insert("b", torch.arange(4, 8)).last_access_time += 1.0
+    assert forest.evict(EvictParams(num_tokens=4)).num_tokens_evicted == 4
+    assert list(forest.segments.entries) == ["b"] and forest.metrics.held_updates == 1
 
 
 BUDGET = 1200  # KV tokens: small enough that test_bytes_held_follow_eviction evicts

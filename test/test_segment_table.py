@@ -1,4 +1,4 @@
-"""core/segment_table: one entry per hash, LRU order, sizes."""
+"""core/segment_table: one entry per key, access fields for eviction, sizes."""
 
 from __future__ import annotations
 
@@ -18,15 +18,23 @@ def test_first_copy_kept_and_duplicates_counted():
         table.insert("h1", torch.arange(4, 8))
 
 
-def test_lru_order_follows_lookups():
+def test_keys_are_opaque_so_namespaces_stay_apart():
+    table = SegmentTable()
+    table.insert(("salt-a", "h"), torch.arange(2))
+    assert ("salt-a", "h") in table and ("salt-b", "h") not in table
+    assert table.lookup(("salt-b", "h")) is None
+
+
+def test_lookups_and_duplicates_refresh_access_fields():
     table = SegmentTable()
     a = table.insert("a", torch.arange(2))
     b = table.insert("b", torch.arange(2, 4))
-    assert table.oldest() is a
-    assert table.lookup("a") is a and a.hits == 1
-    assert table.oldest() is b
+    assert a.creation_time <= b.creation_time
+    before = a.last_access_time
+    assert table.lookup("a") is a and a.hit_count == 1 and a.last_access_time >= before
+    assert a.last_access_time >= b.last_access_time
     table.count_duplicate("b")
-    assert table.oldest() is a
+    assert b.last_access_time >= a.last_access_time and b.hit_count == 0
     assert torch.equal(table.remove(b), torch.arange(2, 4)) and table.evicted == 1
     assert table.lookup("b") is None and table.tokens == 2
 

@@ -139,3 +139,81 @@ def test_cpu_environment_reaches_children(monkeypatch):
         capture_output=True, text=True, timeout=120,
     )
     assert child.stdout.split() == ["1", "True"], child.stderr
+
+
+def sglang_args(**overrides):
+    """The fields check_server_args reads, at SGLang's CPU-path values, with overrides."""
+    from types import SimpleNamespace
+
+    base = dict(tp_size=1, pp_size=1, speculative_algorithm=None, kv_cache_dtype="auto", page_size=1,
+                radix_eviction_policy="lru", device="cpu", disable_cuda_graph=True, disable_prefill_cuda_graph=False)
+    return SimpleNamespace(**{**base, **overrides})
+
+
+@pytest.mark.parametrize("overrides,flag", [
+    ({"tp_size": 2}, "--tp-size"),
+    ({"pp_size": 2}, "--pp-size"),
+    ({"speculative_algorithm": "EAGLE"}, "--speculative-algorithm"),
+    ({"kv_cache_dtype": "fp8_e4m3"}, "--kv-cache-dtype"),
+    ({"page_size": 16}, "--page-size"),
+    ({"radix_eviction_policy": "tlru"}, "--radix-eviction-policy"),
+    ({"device": "cuda", "disable_cuda_graph": False}, "--disable-prefill-cuda-graph"),
+])
+def test_configurations_the_blended_prefill_cannot_serve_are_refused(overrides, flag):
+    from sglang_tokendance.server_args import check_server_args
+
+    check_server_args(TokenDanceArgs(), sglang_args())  # the CPU defaults pass
+    with pytest.raises(TokenDanceArgsError, match=flag) as refused:
+        check_server_args(TokenDanceArgs(), sglang_args(**overrides))
+    assert "--disable-tokendance" in str(refused.value) and "\n" not in str(refused.value)
+    check_server_args(TokenDanceArgs(disable_tokendance=True), sglang_args(**overrides))  # stock SGLang's
+
+
+def test_plain_float_kv_caches_and_gpu_without_prefill_graphs_pass():
+    from sglang_tokendance.server_args import check_server_args
+
+    for dtype in ("bfloat16", "float32", "auto"):
+        check_server_args(TokenDanceArgs(), sglang_args(kv_cache_dtype=dtype))
+    check_server_args(TokenDanceArgs(), sglang_args(device="cuda", disable_cuda_graph=False,
+                                                    disable_prefill_cuda_graph=True))
+    argv = with_defaults(["--model-path", "m"], on_cpu=False, forest=True)
+    assert given(argv, "--disable-prefill-cuda-graph")  # the launcher's GPU default
+    assert not given(with_defaults(["--model-path", "m"], on_cpu=False, forest=False), "--disable-prefill-cuda-graph")
+
+
+def test_refused_configuration_exits_before_sglang_starts():
+    result = run_launcher("--tp-size", "2")
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]  # SGLang's own warnings may come before it
+    assert "--tp-size" in last and "--disable-tokendance" in last
+
+
+def test_model_identity_is_computed_at_start_for_local_and_cached_hub_models(tmp_path, monkeypatch, smollm2_path):
+    import huggingface_hub.constants
+
+    from sglang_tokendance.served_model import (SALT_ENV, ModelNotLocalError, export_model_salt, local_model_dir,
+                                                model_salt_from_env)
+
+    assert local_model_dir(str(smollm2_path)) == smollm2_path
+    snapshot = tmp_path / "hub" / "models--org--tiny" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (tmp_path / "hub" / "models--org--tiny" / "refs").mkdir()
+    (tmp_path / "hub" / "models--org--tiny" / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert local_model_dir("org/tiny") == snapshot
+    with pytest.raises(ModelNotLocalError, match="org/absent"):
+        local_model_dir("org/absent")
+    monkeypatch.delenv(SALT_ENV, raising=False)
+    with pytest.raises(RuntimeError, match=SALT_ENV):
+        model_salt_from_env()
+    salt = export_model_salt(str(smollm2_path), None, "float32", "auto")
+    assert model_salt_from_env() == salt
+    assert export_model_salt(str(smollm2_path), None, "bfloat16", "auto") != salt
+
+
+def test_launcher_refuses_a_model_it_cannot_find_in_one_line():
+    result = run_launcher("--model-path", "org/not-on-this-machine")
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert "org/not-on-this-machine" in last and "Hugging Face cache" in last

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import assert_no_leak
 from sglang_tokendance.server_process import ServerProcess
 from sglang_tokendance.tiny_models import write_tiny_model
 from test_blend_server import AUTHOR, READER, output_logprobs, with_logprobs
@@ -20,8 +21,9 @@ def test_blended_prefill_on_each_family(tmp_path, smollm2_path, arch):
     with ServerProcess(["--model-path", str(path), "--tokendance-recompute-ratio", "1.0",
                         "--tokendance-check-layer", "2"]) as server:
         reference = with_logprobs(server.url, READER, "reference")
-        with_logprobs(server.url, AUTHOR, "author", 2)
-        blended = with_logprobs(server.url, READER, "blended")
+        with_logprobs(server.url, AUTHOR, "round", 2)
+        blended = with_logprobs(server.url, READER, "round")
+        assert_no_leak(server.url)
     info = blended["meta_info"]["tokendance"]
     assert info["segment_hits"] == 2 and info["recomputed_tokens"] > 0 and info["reused_tokens"] == 0
     assert blended["output_ids"] == reference["output_ids"]

@@ -8,11 +8,13 @@ runs its CPU engine.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 from sglang_tokendance import cpu
 from sglang_tokendance.model_store import prepared_default_model
-from sglang_tokendance.server_args import FOREST_BACKEND, TokenDanceArgs, tokendance_info
+from sglang_tokendance.served_model import export_model_salt
+from sglang_tokendance.server_args import FOREST_BACKEND, TokenDanceArgs, check_server_args, tokendance_info
 
 ON_CPU = cpu.prepare_process()
 
@@ -30,6 +32,11 @@ class Engine(SGLangEngine):
                 kwargs.setdefault(name, value)
         if tokendance_args.kv_enabled and not kwargs.get("disable_radix_cache"):
             kwargs.setdefault("radix_cache_backend", FOREST_BACKEND)
+        if tokendance_args.kv_enabled and not ON_CPU and not kwargs.get("disable_cuda_graph"):
+            kwargs.setdefault("disable_prefill_cuda_graph", True)  # graphs would replay SGLang's forward
+        check_server_args(tokendance_args, SimpleNamespace(**kwargs))
+        export_model_salt(kwargs["model_path"], kwargs.get("revision"), kwargs.get("dtype", "auto"),
+                          kwargs.get("kv_cache_dtype", "auto"))
         self.tokendance_args = tokendance_args
         super().__init__(**kwargs)
 

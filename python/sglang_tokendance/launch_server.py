@@ -12,7 +12,8 @@ import os
 import sys
 
 from sglang_tokendance import cpu
-from sglang_tokendance.server_args import FOREST_BACKEND, TokenDanceArgs, TokenDanceArgsError
+from sglang_tokendance.served_model import ModelNotLocalError, export_model_salt
+from sglang_tokendance.server_args import FOREST_BACKEND, TokenDanceArgs, TokenDanceArgsError, check_server_args
 
 PROG = "python -m sglang_tokendance.launch_server"
 
@@ -47,10 +48,13 @@ def given(argv: list[str], flag: str) -> bool:
 
 def with_defaults(argv: list[str], on_cpu: bool, forest: bool = False) -> list[str]:
     """argv plus our defaults for every flag it does not set; `forest` makes the segment-hash
-    forest the radix cache (unless the radix cache is off or another backend is chosen)."""
+    forest the radix cache (unless the radix cache is off or another backend is chosen) and,
+    on a GPU, turns prefill CUDA graphs off (they would replay SGLang's own forward)."""
     extra: list[str] = []
     if forest and not given(argv, "--radix-cache-backend") and not given(argv, "--disable-radix-cache"):
         extra += ["--radix-cache-backend", FOREST_BACKEND]
+    if forest and not on_cpu and not given(argv, "--disable-cuda-graph"):
+        extra += [] if given(argv, "--disable-prefill-cuda-graph") else ["--disable-prefill-cuda-graph"]
     if not given(argv, "--model-path") and not given(argv, "--model"):
         from sglang_tokendance.model_store import prepared_default_model
 
@@ -92,6 +96,11 @@ def main(argv: list[str] | None = None) -> None:
 
     load_plugins()
     server_args = prepare_server_args(sglang_argv)
+    try:  # before SGLang spawns anything: the guards, and the model's identity computed once
+        check_server_args(td_args, server_args)
+        export_model_salt(server_args.model_path, server_args.revision, server_args.dtype, server_args.kv_cache_dtype)
+    except (TokenDanceArgsError, ModelNotLocalError) as e:
+        parser.error(str(e))
     try:
         run_server(server_args)
     finally:

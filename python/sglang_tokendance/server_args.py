@@ -178,6 +178,42 @@ class TokenDanceArgs:
                             screen_layer=self.screen_layer, screen_factor=self.screen_factor)
 
 
+# KV-cache dtypes stored as plain floats: a restore copies them like any tensor. Quantised
+# ones (fp8, fp4, ...) carry per-pool scales that a restore would bypass.
+PLAIN_KV_CACHE_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32", "float")
+
+
+def check_server_args(args: TokenDanceArgs, server_args: Any) -> None:
+    """Refuse, with one line naming the flag, every SGLang configuration the blended prefill
+    does not handle. `server_args` is SGLang's ServerArgs or any object with its field names
+    (absent fields take SGLang's defaults). Per-request features it does not handle (LoRA
+    adapters, input embeddings, hidden-state outputs, input-token logprobs) are not refused:
+    those requests take SGLang's own forward."""
+    if not args.kv_enabled:
+        return
+    get = lambda name, default=None: getattr(server_args, name, default)  # noqa: E731
+    hint = "; or pass --disable-tokendance"
+    for flag, name in (("--tp-size", "tp_size"), ("--pp-size", "pp_size")):
+        if (get(name) or 1) > 1:
+            raise TokenDanceArgsError(flag, f"TokenDance's blended prefill runs on one rank (its selection of "
+                                            f"the tokens to recompute would differ per rank), got {get(name)}{hint}")
+    if get("speculative_algorithm") is not None:
+        raise TokenDanceArgsError("--speculative-algorithm", "speculative decoding is not supported with "
+                                                             f"TokenDance's segment reuse{hint}")
+    if str(get("kv_cache_dtype", "auto")).lower() not in PLAIN_KV_CACHE_DTYPES:
+        raise TokenDanceArgsError("--kv-cache-dtype", f"{get('kv_cache_dtype')} is a quantised KV cache whose scales "
+                                                      f"a segment restore would bypass; use auto{hint}")
+    if (get("page_size") or 1) != 1:
+        raise TokenDanceArgsError("--page-size", f"segments are reused token by token, so the KV pool needs page "
+                                                 f"size 1, got {get('page_size')}{hint}")
+    if get("radix_eviction_policy") == "tlru":
+        raise TokenDanceArgsError("--radix-eviction-policy", f"tlru needs SGLang's unified radix tree; the segment "
+                                                             f"forest builds on its Python radix tree{hint}")
+    if str(get("device") or "cuda") != "cpu" and not (get("disable_cuda_graph") or get("disable_prefill_cuda_graph")):
+        raise TokenDanceArgsError("--disable-prefill-cuda-graph", "prefill CUDA graphs would replay SGLang's own "
+                                                                  f"forward instead of the blended prefill{hint}")
+
+
 def tokendance_info(args: TokenDanceArgs) -> dict[str, Any]:
     """What /server_info reports under "tokendance": clients detect TokenDance by it."""
     from sglang_tokendance import __version__

@@ -37,7 +37,7 @@ def _register_forest() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from sglang_tokendance.server_args import FOREST_BACKEND
-    from sglang_tokendance.srt import forest
+    from sglang_tokendance.srt import forest, forward_hook, reuse
     from sglang_tokendance.srt.model import FORWARD_HOOK_TARGETS
 
     if FOREST_BACKEND not in registered_radix_cache_backends():
@@ -50,9 +50,9 @@ def _register_forest() -> None:
         forest.restore_after_allocation, HookType.AFTER,
     )
     for target in FORWARD_HOOK_TARGETS:
-        HookRegistry.register(target, forest.model_forward, HookType.AROUND)
+        HookRegistry.register(target, forward_hook.model_forward, HookType.AROUND)
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler.get_output_streamer_class",
-        forest.output_streamer_class, HookType.REPLACE,
+        reuse.output_streamer_class, HookType.REPLACE,
     )
 

@@ -3,9 +3,9 @@
 * /generate, /v1/completions and Engine: text holding separators, or the explicit
   `segments` field of /generate, becomes input_ids tokenised segment by segment
   (core/segments). Plain prompts take SGLang's own path untouched.
-* /v1/chat/completions: when a message holds a separator, the rendered template text is
-  sent on (instead of SGLang's ids), so the same splitting applies; the template's own text
-  is private text between segments.
+* /v1/chat/completions: when a message holds a separator, the template renders the chat to
+  text (SGLang's own render step, markers intact) and the text is sent on instead of SGLang's
+  ids, so the same splitting applies; the template's own text is private text between segments.
 * Offsets and hashes ride to the scheduler inside `sampling_params.custom_params` under a key
   that is always stripped from client input first, so clients can never supply them.
 * Every /generate response gets `meta_info["tokendance"]`; non-streaming OpenAI responses
@@ -19,14 +19,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from sglang_tokendance.core.model_identity import model_identity, weight_checksums
-from sglang_tokendance.core.segments import Piece, SegmentError, Segmenter, SegmentSpan
-from sglang_tokendance.model_store import tokendance_home
+from sglang_tokendance.core.segments import Piece, SegmentError, Segmenter
+from sglang_tokendance.served_model import model_salt_from_env
 from sglang_tokendance.server_args import TokenDanceArgs
 
 CARRIER_KEY = "tokendance"  # in sampling_params.custom_params; only this module sets it
 REUSE_INFO_KEY = "tokendance_reuse"  # scheduler -> meta_info: reused / computed token counts
 TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
+SERVING_CHAT = "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat"
 
 
 def register(args: TokenDanceArgs) -> None:
@@ -38,15 +38,14 @@ def register(args: TokenDanceArgs) -> None:
     def contract_error(result, body, *rest, **kw):
         return result if result is not None else _streaming_contract_error(args, body)
 
-    def send_marked_chat_as_text(result, serving_chat, request, *rest, **kw):
-        return _send_marked_chat_as_text(args, result, serving_chat, request)
+    def render_marked_chat(original, serving_chat, messages, *rest, **kw):
+        return render_marked_chat_as_text(original, args, serving_chat, messages, *rest, **kw)
 
     HookRegistry.register(f"{TOKENIZER_MANAGER}.generate_request", generate_request, HookType.AROUND)
     HookRegistry.register(f"{TOKENIZER_MANAGER}._wait_one_response", _wait_one_response, HookType.AROUND)
-    HookRegistry.register(
-        "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._process_messages",
-        send_marked_chat_as_text, HookType.AFTER,
-    )
+    HookRegistry.register(f"{SERVING_CHAT}._render_and_encode_chat_template", render_marked_chat, HookType.AROUND)
+    HookRegistry.register(f"{SERVING_CHAT}._append_assistant_prefix_to_prompt_ids", _append_prefix_to_text,
+                          HookType.AROUND)
     HookRegistry.register(
         "sglang.srt.entrypoints.api_contract.generate_contract_error", contract_error, HookType.AFTER
     )
@@ -65,7 +64,7 @@ def segmenter_of(tokenizer_manager, args: TokenDanceArgs) -> Segmenter:
         tokenizer = tokenizer_manager.tokenizer
         segmenter = Segmenter(
             tokenizer,
-            model_salt=model_salt(tokenizer_manager.server_args),
+            model_salt=model_salt_from_env(),
             vocab_size=tokenizer_manager.model_config.vocab_size,
             separator=args.separator,
             min_segment_tokens=args.min_segment_tokens,
@@ -74,16 +73,6 @@ def segmenter_of(tokenizer_manager, args: TokenDanceArgs) -> Segmenter:
         )
         tokenizer_manager._tokendance_segmenter = segmenter
     return segmenter
-
-
-def model_salt(server_args) -> bytes:
-    from pathlib import Path
-
-    model_dir = Path(server_args.model_path)
-    if not (model_dir / "config.json").is_file():
-        raise RuntimeError(f"TokenDance needs a local model folder, got {server_args.model_path!r}")
-    sums = weight_checksums(model_dir, tokendance_home() / "weight_checksums.json")
-    return model_identity(model_dir / "config.json", sums, str(server_args.dtype), str(server_args.kv_cache_dtype))
 
 
 def special_token_strings(tokenizer) -> list[str]:
@@ -196,20 +185,12 @@ def _carry(obj, payloads: list[dict], batched: bool) -> None:
 def carried_info(obj) -> dict:
     """meta_info["tokendance"] of one request (empty segments for plain prompts)."""
     params = obj.sampling_params
-    return _parse_carrier(params.get("custom_params") if isinstance(params, dict) else None)
+    return carried_payload(params.get("custom_params") if isinstance(params, dict) else None)
 
 
-def carried_spans(custom_params: dict | None) -> list[SegmentSpan]:
-    """The scheduler's end of the route: a request's shared segments, from its
-    `SamplingParams.custom_params`."""
-    return [SegmentSpan(**s) for s in _parse_carrier(custom_params)["segments"]]
-
-
-def wants_output_registered(custom_params: dict | None) -> bool:
-    return bool(_parse_carrier(custom_params).get("register_output"))
-
-
-def _parse_carrier(custom_params: dict | None) -> dict:
+def carried_payload(custom_params: dict | None) -> dict:
+    """The scheduler's end of the route: a request's shared segments ("segments": span
+    dicts) and options ("register_output"), from its `SamplingParams.custom_params`."""
     raw = custom_params.get(CARRIER_KEY) if isinstance(custom_params, dict) else None
     return json.loads(raw) if raw else {"segments": []}
 
@@ -236,15 +217,29 @@ def _openai_metadata(result: dict, meta_info: dict, *rest, **kw) -> dict:
     return result
 
 
-def _send_marked_chat_as_text(args: TokenDanceArgs, result, serving_chat, request):
-    """A chat whose messages hold separators goes on as rendered text, markers intact."""
+def render_marked_chat_as_text(original, args: TokenDanceArgs, serving_chat, messages: list[dict], *rest, **kw):
+    """AROUND SGLang's chat render-and-encode step: a chat whose messages hold separators is
+    rendered by the template to text, markers intact, and goes on as text, so that it is
+    tokenised segment by segment like any marked prompt (SGLang's own encode of the same
+    rendered text, piece by piece; no decode of ids). Other chats are SGLang's."""
     tokenizer_manager = serving_chat.tokenizer_manager
     segmenter = segmenter_of(tokenizer_manager, args)
-    if isinstance(result.prompt_ids, list) and request.input_ids is None and any(
-        segmenter.has_marker(str(getattr(m, "content", ""))) for m in request.messages
-    ):
-        result.prompt_ids = tokenizer_manager.tokenizer.decode(result.prompt_ids)
-    return result
+    if not any(segmenter.has_marker(str(m.get("content") or "")) for m in messages):
+        return original(serving_chat, messages, *rest, **kw)
+    if serving_chat._prompt_text_round_trip_is_lossy:
+        raise ValueError("separators in chat messages need a chat template whose rendered text encodes back to "
+                         "its ids, and this tokenizer's does not")
+    text = tokenizer_manager.tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=kw.get("add_generation_prompt", True),
+        tools=kw.get("tools"), return_dict=False, **(kw.get("template_kwargs") or {}))
+    return text, None
+
+
+def _append_prefix_to_text(original, serving_chat, prompt, assistant_prefix: str, *rest, **kw):
+    """continue_final_message on a marked chat: its prompt is text, so the prefix is text too."""
+    if isinstance(prompt, str):
+        return prompt + assistant_prefix
+    return original(serving_chat, prompt, assistant_prefix, *rest, **kw)
 
 
 def _streaming_contract_error(args: TokenDanceArgs, body: Any) -> str | None:

@@ -1,0 +1,66 @@
+"""The served model's identity, computed once at start and handed to every process.
+
+Segment hashes are salted with the model's identity (config, weight checksums, dtypes), so
+KV computed by other weights is never reused. Checksumming weights reads every weight file:
+the launcher and Engine do it once, before SGLang starts, and put the salt in the
+environment that SGLang's spawned processes (tokenizer manager, scheduler) inherit -- never
+lazily on the HTTP event loop. A hub id resolves to its snapshot in the local Hugging Face
+cache; a model whose files are not on disk is refused at start.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from sglang_tokendance.core.model_identity import model_identity, weight_checksums
+from sglang_tokendance.model_store import tokendance_home
+
+SALT_ENV = "SGLANG_TOKENDANCE_MODEL_SALT"
+
+
+class ModelNotLocalError(RuntimeError):
+    """The model's files are not on this machine."""
+
+
+def local_model_dir(model_path: str, revision: str | None = None) -> Path:
+    """The folder holding the model's config.json: `model_path` itself, or a hub id's
+    snapshot in the local Hugging Face cache (never downloaded here)."""
+    path = Path(model_path).expanduser()
+    if (path / "config.json").is_file():
+        return path
+    if not path.exists():
+        try:
+            from huggingface_hub import snapshot_download
+
+            snapshot = Path(snapshot_download(model_path, revision=revision, local_files_only=True))
+        except Exception:  # not a repo id, or not in the cache
+            snapshot = None
+        if snapshot is not None and (snapshot / "config.json").is_file():
+            return snapshot
+    raise ModelNotLocalError(
+        f"--model-path {model_path!r} is neither a local model folder nor a model in the local Hugging Face "
+        "cache; TokenDance salts shared KV with the weights' checksums, so download it first "
+        f"(huggingface-cli download {model_path}) or pass its folder")
+
+
+def model_salt(model_path: str, revision: str | None, dtype: str, kv_cache_dtype: str) -> bytes:
+    model_dir = local_model_dir(model_path, revision)
+    sums = weight_checksums(model_dir, tokendance_home() / "weight_checksums.json")
+    return model_identity(model_dir / "config.json", sums, str(dtype), str(kv_cache_dtype))
+
+
+def export_model_salt(model_path: str, revision: str | None = None, dtype: str = "auto",
+                      kv_cache_dtype: str = "auto") -> bytes:
+    """Compute the salt of the model about to be served and hand it to spawned processes."""
+    salt = model_salt(model_path, revision, dtype, kv_cache_dtype)
+    os.environ[SALT_ENV] = salt.hex()
+    return salt
+
+
+def model_salt_from_env() -> bytes:
+    raw = os.environ.get(SALT_ENV)
+    if not raw:
+        raise RuntimeError(f"{SALT_ENV} is not set: start TokenDance through sglang_tokendance.launch_server "
+                           "or sglang_tokendance.Engine, which compute the model's identity at start")
+    return bytes.fromhex(raw)

@@ -1,0 +1,51 @@
+"""The model forward of an extend batch in which some request reuses cached segments.
+
+An AROUND hook on the decoder forwards of srt/model.py: such a batch runs core/blend's
+blended prefill on the requests' chunk plans (srt/reuse.py); every other batch runs SGLang's
+own forward. A batch the blended prefill cannot serve (input embeddings, captured hidden
+states) runs SGLang's forward too: it computes every token over the restored slots, so the
+plans' reused tokens are counted as recomputed.
+"""
+
+from __future__ import annotations
+
+from sglang_tokendance.core.blend import RequestRow, blended_prefill
+from sglang_tokendance.srt import forest
+from sglang_tokendance.srt.model import PoolKV, SGLangLayers
+
+
+def model_forward(original, model, input_ids, positions, forward_batch, *args, **kwargs):
+    active = forest.ACTIVE
+    plans = None
+    if active is not None and forward_batch.forward_mode.is_extend():
+        plans = active.take_plans(forward_batch)
+    if plans is None:
+        return original(model, input_ids, positions, forward_batch, *args, **kwargs)
+    if not blendable(forward_batch):
+        for plan in filter(None, plans):
+            active.record_recomputed(plan, plan.reused_tokens)
+        return original(model, input_ids, positions, forward_batch, *args, **kwargs)
+    from sglang.srt.model_executor.forward_context import get_token_to_kv_pool
+
+    req_to_token = active.req_to_token_pool.req_to_token
+    rows = [RequestRow(prefix, extend, req_to_token[pool_index, :prefix + extend],
+                       reused=plan.extend_runs() if plan is not None else ())
+            for plan, prefix, extend, pool_index in zip(plans, forward_batch.extend_prefix_lens_cpu,
+                                                        forward_batch.extend_seq_lens_cpu,
+                                                        forward_batch.req_pool_indices_cpu.tolist())]
+    layers = SGLangLayers(model, forward_batch)
+    hidden, stats = blended_prefill(layers, PoolKV(get_token_to_kv_pool(), layers), input_ids, positions, rows,
+                                    active.blend, active.rule)
+    start = 0  # stats.kept covers the batch's reused tokens in batch order
+    for plan in filter(None, plans):
+        n = plan.reused_tokens
+        kept = 0 if stats.kept is None else int(stats.kept[start:start + n].sum())  # None: ratio 0
+        start += n
+        active.record_recomputed(plan, kept)
+    return hidden
+
+
+def blendable(forward_batch) -> bool:
+    """Whether the blended prefill can stand in for the model's forward on this batch."""
+    capture = getattr(forward_batch, "capture_hidden_mode", None)
+    return forward_batch.input_embeds is None and not (capture is not None and capture.need_capture())

@@ -1,0 +1,172 @@
+"""A request's reuse, as one object from planning through the forward to the tree.
+
+`RequestReuse` lives from a request's first prefill chunk until SGLang releases it (finish,
+abort, retract: `SegmentForest.on_release`), keyed by the Req object itself, so clients that
+reuse request ids never see each other's state. For every extend forward (one prefill chunk
+under `--chunked-prefill-size`, or the whole prompt) it makes a `ChunkPlan`: which runs of the
+chunk's tokens hit which cached segments (a segment that straddles chunks is reused piecewise,
+each piece from its offset in the segment). The forward hook reads the plan, the blended
+prefill fills in how many reused tokens it recomputed, and the request's counts are the sums
+over its chunks. `first_reused` is the request's earliest reused position over all chunks:
+nothing from there on is exact, so the tree never receives it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Hashable
+
+from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
+
+from sglang_tokendance.core.blend import ReusedRun
+from sglang_tokendance.core.segment_table import SegmentEntry, SegmentTable
+from sglang_tokendance.core.segments import SegmentSpan
+from sglang_tokendance.srt.prompt_interface import REUSE_INFO_KEY, carried_payload
+
+NOT_REUSED = 1 << 62  # first_reused of a request that reused nothing (yet)
+
+
+@dataclass
+class ReuseCounts:
+    """What meta_info["tokendance"] and the metrics report, summed over a request's chunks."""
+
+    reused_tokens: int = 0  # restored from segments and kept
+    recomputed_tokens: int = 0  # restored, then recomputed by the blended prefill
+    computed_tokens: int = 0  # every prompt token the forwards computed
+    segment_hits: int = 0
+    segment_misses: int = 0
+
+
+@dataclass
+class PlannedRun:
+    """Prompt positions [start, end) restored from `entry`, whose token `segment_offset` is
+    the run's first."""
+
+    start: int
+    end: int
+    segment_offset: int
+    entry: SegmentEntry
+
+
+@dataclass
+class ChunkPlan:
+    """One request's reuse in one extend forward."""
+
+    request: "RequestReuse"
+    prefix_len: int
+    extend_len: int
+    runs: list[PlannedRun]
+    hits: int = 0
+    misses: int = 0
+
+    @property
+    def reused_tokens(self) -> int:
+        return sum(run.end - run.start for run in self.runs)
+
+    def extend_runs(self) -> list[ReusedRun]:
+        """The runs relative to the chunk's first token, as core/blend takes them."""
+        return [ReusedRun(r.start - self.prefix_len, r.end - self.prefix_len, r.segment_offset) for r in self.runs]
+
+
+@dataclass
+class RequestReuse:
+    req: Any  # SGLang's Req (only read, and its customized_info written, never extended)
+    namespace: Hashable  # SGLang's cache namespace: segments never cross it
+    spans: list[SegmentSpan]
+    can_reuse: bool  # False: SGLang's own forward (input logprobs, hidden states, embeddings)
+    register_output: bool
+    first_reused: int = NOT_REUSED
+    counts: ReuseCounts = field(default_factory=ReuseCounts)
+    uninserted: list[SegmentSpan] = field(default_factory=list)  # spans not yet cached
+    _looked_up: set[int] = field(default_factory=set)  # spans counted as a hit or a miss
+
+    @classmethod
+    def of(cls, req, can_reuse: bool) -> "RequestReuse | None":
+        """The state of a request that carries segments or asks for output registration."""
+        payload = carried_payload(req.sampling_params.custom_params)
+        spans = [SegmentSpan(**s) for s in payload["segments"]]
+        register = bool(payload.get("register_output"))
+        if not spans and not register:
+            return None
+        return cls(req, namespace_of(req), spans, can_reuse and bool(spans), register, uninserted=list(spans))
+
+    def key(self, segment_hash: str) -> Hashable:
+        return (self.namespace, segment_hash)
+
+    def plan_chunk(self, table: SegmentTable, prefix_len: int, extend_end: int) -> ChunkPlan:
+        """Look the chunk [prefix_len, extend_end) up: every span piece in it whose segment is
+        cached (the last prompt token is always computed). Counts the chunk's tokens."""
+        plan = ChunkPlan(self, prefix_len, extend_end - prefix_len, [])
+        if self.can_reuse:
+            last_fresh = len(self.req.origin_input_ids) - 1
+            for index, span in enumerate(self.spans):
+                start, end = max(span.start, prefix_len), min(span.end, extend_end, last_fresh)
+                if end <= start:
+                    continue
+                entry = table.lookup(self.key(span.hash))
+                counted = index in self._looked_up
+                self._looked_up.add(index)
+                if entry is not None:
+                    end = min(end, span.start + len(entry))  # an output segment lacks its last token
+                    plan.hits += not counted
+                    if end > start:
+                        plan.runs.append(PlannedRun(start, end, start - span.start, entry))
+                else:
+                    plan.misses += not counted
+        reused = plan.reused_tokens
+        if plan.runs:
+            self.first_reused = min(self.first_reused, plan.runs[0].start)
+        self.counts.reused_tokens += reused
+        self.counts.computed_tokens += plan.extend_len - reused
+        self.counts.segment_hits += plan.hits
+        self.counts.segment_misses += plan.misses
+        self.publish()
+        return plan
+
+    def record_recomputed(self, plan: ChunkPlan, recomputed: int) -> None:
+        """After the forward: `recomputed` of the plan's restored tokens were computed again."""
+        self.counts.reused_tokens -= recomputed
+        self.counts.recomputed_tokens += recomputed
+        self.counts.computed_tokens += recomputed
+        self.publish()
+
+    def publish(self) -> None:
+        """The counts so far reach meta_info["tokendance"] through SGLang's per-request
+        customized_info (sent once, when the request's first output or its end is streamed)."""
+        if self.can_reuse:
+            self.req.customized_info = {**(self.req.customized_info or {}),
+                                        REUSE_INFO_KEY: [asdict(self.counts)]}
+
+
+def namespace_of(req) -> Hashable:
+    """SGLang's radix-tree namespace of a request (its RadixKey's extra_key, which includes a
+    LoRA adapter's id, and cache_salt): a segment is reused only inside the namespace that
+    computed it."""
+    return (req.extra_key, req.cache_salt)
+
+
+def may_reuse(req) -> bool:
+    """Whether the blended prefill may serve the request. The others take SGLang's forward:
+    input-token logprobs need hidden states at every prompt token, hidden-state outputs and
+    input embeddings are features the blended forward does not reproduce."""
+    wants_input_logprobs = bool(req.return_logprob) and 0 <= req.logprob_start_len < len(req.origin_input_ids) - 1
+    return not (wants_input_logprobs or req.return_hidden_states or req.input_embeds is not None
+                or req.multimodal_inputs is not None)
+
+
+def is_lora(req) -> bool:
+    """LoRA requests take SGLang's own path entirely (the blended forward has no per-request
+    adapters): they neither reuse nor cache segments."""
+    return req.lora_id is not None
+
+
+class OutputStreamer(SchedulerOutputStreamer):
+    """SGLang's streamer, sending our per-request counts once per request, not sliced per token."""
+
+    def is_request_level_customized_info_key(self, key: str) -> bool:
+        return key == REUSE_INFO_KEY or super().is_request_level_customized_info_key(key)
+
+
+def output_streamer_class(*unused, **unused_kw):
+    """REPLACE hook on Scheduler.get_output_streamer_class (an official override point)."""
+    return OutputStreamer

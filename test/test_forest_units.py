@@ -1,0 +1,205 @@
+"""The forest's scheduler-side pieces without a server: joint eviction under SGLang's
+eviction policies, chunk planning, per-request state, output segment ids, the forward's
+fallback."""
+
+from __future__ import annotations
+
+from array import array
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang_tokendance.core.segment_table import SegmentTable
+from sglang_tokendance.core.segments import SegmentSpan
+from sglang_tokendance.srt.prompt_interface import CARRIER_KEY, REUSE_INFO_KEY
+
+
+class Allocator:
+    """What the radix tree and the forest call on SGLang's allocator."""
+
+    device = "cpu"
+    page_size = 1
+
+    def __init__(self):
+        self.freed: list[int] = []
+
+    def free(self, slots: torch.Tensor) -> None:
+        self.freed += slots.tolist()
+
+    def free_segment(self, slots: torch.Tensor, start_pos: int = 0) -> None:
+        self.free(slots)
+
+
+def make_forest(policy: str = "lru"):
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+
+    from sglang_tokendance.srt.forest import SegmentForest
+
+    params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=Allocator(),
+                             page_size=1, eviction_policy=policy)
+    return SegmentForest(params, rope=None, reuse=False)
+
+
+def add_leaf(forest, ids: list[int], first_slot: int, accessed: float, created: float):
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    forest.insert(InsertParams(key=RadixKey(array("q", ids)),
+                               value=torch.arange(first_slot, first_slot + len(ids))))
+    leaf = next(n for n in forest.evictable_leaves if int(n.value[0]) == first_slot)
+    leaf.last_access_time, leaf.creation_time = accessed, created
+    return leaf
+
+
+def add_segment(forest, key: str, first_slot: int, length: int, accessed: float, created: float):
+    entry = forest.segments.insert(key, torch.arange(first_slot, first_slot + length))
+    entry.last_access_time, entry.creation_time = accessed, created
+    return entry
+
+
+def two_of_each(forest):
+    """Leaf a (slots 0-3), segment s (10-12), leaf b (20-24), segment t (30-31): accessed in
+    that order, created in the reverse order."""
+    add_leaf(forest, [1, 2, 3, 4], 0, accessed=1.0, created=4.0)
+    add_segment(forest, "s", 10, 3, accessed=2.0, created=3.0)
+    add_leaf(forest, [9, 8, 7, 6, 5], 20, accessed=3.0, created=2.0)
+    add_segment(forest, "t", 30, 2, accessed=4.0, created=1.0)
+
+
+def test_eviction_interleaves_leaves_and_segments_in_lru_order():
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    forest = make_forest("lru")
+    two_of_each(forest)
+    assert forest.evictable_size() == 14
+    result = forest.evict(EvictParams(num_tokens=5))  # the two least recently used: a, then s
+    assert result.num_tokens_evicted == 7
+    assert sorted(forest.token_to_kv_pool_allocator.freed) == [0, 1, 2, 3, 10, 11, 12]
+    assert list(forest.segments.entries) == ["t"] and forest.evictable_size() == 7
+
+
+def test_eviction_honours_the_radix_eviction_policy():
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    forest = make_forest("fifo")  # oldest created first: t, then leaf b
+    two_of_each(forest)
+    assert forest.evict(EvictParams(num_tokens=6)).num_tokens_evicted == 7
+    assert sorted(forest.token_to_kv_pool_allocator.freed) == [20, 21, 22, 23, 24, 30, 31]
+    assert list(forest.segments.entries) == ["s"]
+
+
+def test_eviction_stops_when_nothing_evictable_is_left():
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    forest = make_forest()
+    two_of_each(forest)
+    locked = add_leaf(forest, [40, 41], 40, accessed=0.0, created=0.0)
+    forest.inc_lock_ref(locked)
+    result = forest.evict(EvictParams(num_tokens=1000))
+    assert result.num_tokens_evicted == 14  # everything but the locked leaf, then it returns
+    assert 40 not in forest.token_to_kv_pool_allocator.freed and forest.evictable_size() == 0
+
+
+def fake_req(spans: list[SegmentSpan], prompt_len: int, **extra):
+    payload = {"segments": [vars(s) for s in spans], **extra}
+    import json
+
+    return SimpleNamespace(sampling_params=SimpleNamespace(custom_params={CARRIER_KEY: json.dumps(payload)}),
+                           origin_input_ids=list(range(prompt_len)), extra_key=None, cache_salt=None,
+                           customized_info=None)
+
+
+def test_a_segment_split_over_chunks_is_reused_piecewise_and_counted_once():
+    from sglang_tokendance.srt.reuse import NOT_REUSED, RequestReuse
+
+    spans = [SegmentSpan(10, 50, "a"), SegmentSpan(60, 100, "b")]
+    req = fake_req(spans, prompt_len=120)
+    state = RequestReuse.of(req, can_reuse=True)
+    table = SegmentTable()
+    table.insert(state.key("a"), torch.arange(100, 140))
+    assert state.first_reused == NOT_REUSED
+    first = state.plan_chunk(table, 0, 32)  # chunk [0, 32): the head of "a"
+    assert [(r.start, r.end, r.segment_offset) for r in first.runs] == [(10, 32, 0)]
+    assert first.extend_runs()[0] == (10, 32, 0) and first.hits == 1 and state.first_reused == 10
+    second = state.plan_chunk(table, 32, 64)  # the rest of "a" (from its token 22), the head of "b"
+    assert [(r.start, r.end, r.segment_offset) for r in second.runs] == [(32, 50, 22)]
+    assert second.extend_runs()[0] == (0, 18, 22)
+    assert (second.hits, second.misses) == (0, 1)  # "a" was counted in the first chunk; "b" misses
+    third = state.plan_chunk(table, 64, 120)
+    assert third.runs == [] and (third.hits, third.misses) == (0, 0)
+    counts = state.counts
+    assert (counts.segment_hits, counts.segment_misses) == (1, 1)
+    assert counts.reused_tokens == 40 and counts.computed_tokens == 120 - 40
+    state.record_recomputed(first, 5)
+    assert (counts.reused_tokens, counts.recomputed_tokens, counts.computed_tokens) == (35, 5, 85)
+    assert req.customized_info[REUSE_INFO_KEY] == [vars(counts)]
+
+
+def test_the_last_prompt_token_and_a_short_entry_are_never_reused():
+    from sglang_tokendance.srt.reuse import RequestReuse
+
+    req = fake_req([SegmentSpan(0, 20, "a"), SegmentSpan(30, 50, "out")], prompt_len=50)
+    state = RequestReuse.of(req, can_reuse=True)
+    table = SegmentTable()
+    table.insert(state.key("a"), torch.arange(20))
+    table.insert(state.key("out"), torch.arange(100, 119))  # an output segment: its last token had no KV
+    plan = state.plan_chunk(table, 0, 50)
+    assert [(r.start, r.end) for r in plan.runs] == [(0, 20), (30, 49)]
+
+
+def test_requests_without_segments_or_reuse_keep_sglangs_path():
+    from sglang_tokendance.srt.reuse import RequestReuse, namespace_of
+
+    assert RequestReuse.of(fake_req([], 10), can_reuse=True) is None
+    registering = RequestReuse.of(fake_req([], 10, register_output=True), can_reuse=True)
+    assert registering.register_output and not registering.can_reuse
+    req = fake_req([SegmentSpan(0, 20, "a")], 30)
+    state = RequestReuse.of(req, can_reuse=False)
+    table = SegmentTable()
+    table.insert(state.key("a"), torch.arange(20))
+    assert state.plan_chunk(table, 0, 30).runs == [] and req.customized_info is None
+    assert namespace_of(SimpleNamespace(extra_key="lora-x", cache_salt="t")) != namespace_of(
+        SimpleNamespace(extra_key=None, cache_salt="t"))
+
+
+@pytest.mark.parametrize("field,value", [("return_hidden_states", True), ("input_embeds", [[0.0]]),
+                                         ("return_logprob", True)])
+def test_features_the_blended_prefill_does_not_reproduce_take_sglangs_forward(field, value):
+    from sglang_tokendance.srt.reuse import may_reuse
+
+    req = SimpleNamespace(return_logprob=False, logprob_start_len=-1, origin_input_ids=list(range(30)),
+                          return_hidden_states=False, input_embeds=None, multimodal_inputs=None)
+    assert may_reuse(req)
+    setattr(req, field, value)
+    if field == "return_logprob":
+        req.logprob_start_len = 0  # input-token logprobs from the first token
+    assert not may_reuse(req)
+
+
+def test_output_segment_ids_drop_the_stop_token_and_refuse_stop_strings():
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, FINISH_MATCHED_STR, FINISH_MATCHED_TOKEN
+
+    from sglang_tokendance.srt.output_registration import output_kv_tokens, output_segment_ids
+
+    def req(reason, n=20):
+        return SimpleNamespace(output_ids=list(range(100, 100 + n)), finished_reason=reason)
+
+    assert output_segment_ids(req(FINISH_LENGTH(20)), 16) == list(range(100, 120))
+    assert output_segment_ids(req(FINISH_MATCHED_TOKEN(119)), 16) == list(range(100, 119))
+    assert output_segment_ids(req(FINISH_MATCHED_STR("\n")), 16) is None
+    assert output_segment_ids(req(FINISH_ABORT("gone")), 16) is None
+    assert output_segment_ids(req(FINISH_LENGTH(10), n=10), 16) is None  # shorter than a segment
+    assert output_kv_tokens(req(FINISH_LENGTH(20)), 20) == 19  # the last token was never fed back
+    assert output_kv_tokens(req(FINISH_MATCHED_TOKEN(119)), 19) == 19
+
+
+def test_batches_with_embeddings_or_captured_hidden_states_take_sglangs_forward():
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+
+    from sglang_tokendance.srt.forward_hook import blendable
+
+    batch = SimpleNamespace(input_embeds=None, capture_hidden_mode=CaptureHiddenMode.NULL)
+    assert blendable(batch)
+    assert not blendable(SimpleNamespace(input_embeds=torch.zeros(3, 4), capture_hidden_mode=None))
+    assert not blendable(SimpleNamespace(input_embeds=None, capture_hidden_mode=CaptureHiddenMode.FULL))
