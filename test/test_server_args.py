@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import subprocess
 import sys
 
@@ -10,7 +11,7 @@ import pytest
 
 from sglang_tokendance import cpu
 from sglang_tokendance.launch_server import given, with_defaults
-from sglang_tokendance.server_args import ENV_VAR, TokenDanceArgs, TokenDanceArgsError
+from sglang_tokendance.server_args import ENV_VAR, TokenDanceArgs, TokenDanceArgsError, flag_of
 
 
 def parse(argv):
@@ -217,3 +218,14 @@ def test_launcher_refuses_a_model_it_cannot_find_in_one_line():
     assert result.returncode == 2
     last = result.stderr.strip().splitlines()[-1]
     assert "org/not-on-this-machine" in last and "Hugging Face cache" in last
+
+
+def test_options_doc_is_generated_from_the_dataclass():
+    from pathlib import Path
+
+    from sglang_tokendance.server_args import options_markdown
+
+    doc = Path(__file__).resolve().parent.parent / "docs" / "options.md"
+    assert doc.read_text() == options_markdown(), "regenerate: python -m sglang_tokendance.server_args > docs/options.md"
+    for f in dataclasses.fields(TokenDanceArgs):
+        assert flag_of(f) in doc.read_text()

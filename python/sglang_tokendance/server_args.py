@@ -245,3 +245,25 @@ def _convert(f: dataclasses.Field, value: Any) -> Any:
         return kind(value)
     except ValueError:
         raise TokenDanceArgsError(flag_of(f), f"expected {kind.__name__}, got {value!r}") from None
+
+
+def options_markdown() -> str:
+    """The options table of docs/options.md, generated from this dataclass (a test keeps the
+    committed file equal to it): `python -m sglang_tokendance.server_args > docs/options.md`."""
+    rows = ["# TokenDance options", "",
+            "Generated from `TokenDanceArgs` (`python/sglang_tokendance/server_args.py`) by",
+            "`python -m sglang_tokendance.server_args > docs/options.md`; do not edit by hand.",
+            "Every flag is also an `Engine` keyword (`--tokendance-recompute-ratio` -> "
+            "`tokendance_recompute_ratio`).", "",
+            "| flag | type | default | meaning |", "|---|---|---|---|"]
+    for f in dataclasses.fields(TokenDanceArgs):
+        default = f.default
+        shown = ("on (`--no-" + flag_of(f)[2:] + "` turns it off)" if default is True
+                 else "off" if default is False else f"`{default}`")
+        cells = (f"`{flag_of(f)}`", str(f.type), shown, f.metadata["help"])
+        rows.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    print(options_markdown(), end="")
