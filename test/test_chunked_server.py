@@ -11,7 +11,7 @@ import threading
 import pytest
 import requests
 
-from conftest import forest_stats, generate
+from conftest import forest_stats
 from sglang_tokendance.core.segments import DEFAULT_SEPARATOR as SEP
 from sglang_tokendance.server_process import ServerProcess
 from test_metrics import tokendance_metrics

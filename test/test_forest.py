@@ -101,7 +101,8 @@ def test_small_kv_budget_evicts_and_every_request_finishes(smollm2_path):
     with ServerProcess(["--max-total-tokens", "1200", "--context-length", "1024"]) as small:
         for wave in range(2):  # a wave of concurrent requests well past the budget, twice
             with ThreadPoolExecutor(6) as pool:
-                outs = list(pool.map(lambda i: generate(small.url, distinct_blocks_prompt(i), 16), range(wave * 6, wave * 6 + 6)))
+                outs = list(pool.map(lambda i: generate(small.url, distinct_blocks_prompt(i), 16),
+                                     range(wave * 6, wave * 6 + 6)))
             assert all(o["meta_info"]["finish_reason"]["type"] in ("length", "stop") for o in outs)
             assert all(len(o["output_ids"]) >= 1 for o in outs)
         stats = forest_stats(small.url)

@@ -56,7 +56,8 @@ def test_markers_are_zero_width_and_boundaries_round_trip(server, tokenizer):
     segments = out["meta_info"]["tokendance"]["segments"]
     a_start = len(pieces_ids(tokenizer, pieces[:1]))
     a_end = len(pieces_ids(tokenizer, pieces[:2]))
-    assert [(s["start"], s["end"]) for s in segments] == [(a_start, a_end), (a_end, len(pieces_ids(tokenizer, pieces[:3])))]
+    b_end = len(pieces_ids(tokenizer, pieces[:3]))
+    assert [(s["start"], s["end"]) for s in segments] == [(a_start, a_end), (a_end, b_end)]
 
 
 def test_same_block_elsewhere_has_same_hash(server):
@@ -70,9 +71,10 @@ def test_same_block_elsewhere_has_same_hash(server):
 def test_segments_field_equals_markers_for_strings_ids_and_batches(server, tokenizer):
     pieces = [HISTORY, BLOCK_A, BLOCK_B, QUESTION]
     marked = generate(server, SEP.join(pieces), 8)
-    as_strings = post(server, "/generate", {"segments": pieces, "sampling_params": {"max_new_tokens": 8, "temperature": 0}}).json()
+    greedy = {"max_new_tokens": 8, "temperature": 0}
+    as_strings = post(server, "/generate", {"segments": pieces, "sampling_params": greedy}).json()
     mixed = [HISTORY, tokenizer.encode(BLOCK_A, add_special_tokens=False), BLOCK_B, QUESTION]
-    as_ids = post(server, "/generate", {"segments": mixed, "sampling_params": {"max_new_tokens": 8, "temperature": 0}}).json()
+    as_ids = post(server, "/generate", {"segments": mixed, "sampling_params": greedy}).json()
     batch = post(server, "/generate", {"segments": [pieces, ["Short.", BLOCK_B, BLOCK_A, QUESTION]],
                                         "sampling_params": {"max_new_tokens": 8, "temperature": 0}}).json()
     for other in (as_strings, as_ids, batch[0]):
@@ -122,7 +124,8 @@ def test_chat_markers_make_segments_and_template_text_stays_private(server, toke
     assert SEP not in answer
     spans = r.json()["metadata"]["tokendance"]["segments"]
     assert [(x["start"], x["end"]) for x in spans] == [
-        (len(pieces_ids(tokenizer, pieces[:i], specials=False)), len(pieces_ids(tokenizer, pieces[:i + 1], specials=False)))
+        (len(pieces_ids(tokenizer, pieces[:i], specials=False)),
+         len(pieces_ids(tokenizer, pieces[:i + 1], specials=False)))
         for i in (1, 2)]
 
 

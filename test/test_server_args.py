@@ -226,6 +226,7 @@ def test_options_doc_is_generated_from_the_dataclass():
     from sglang_tokendance.server_args import options_markdown
 
     doc = Path(__file__).resolve().parent.parent / "docs" / "options.md"
-    assert doc.read_text() == options_markdown(), "regenerate: python -m sglang_tokendance.server_args > docs/options.md"
+    regenerate = "python -m sglang_tokendance.server_args > docs/options.md"
+    assert doc.read_text() == options_markdown(), f"regenerate it: {regenerate}"
     for f in dataclasses.fields(TokenDanceArgs):
         assert flag_of(f) in doc.read_text()

@@ -96,17 +96,11 @@ class TokenDanceArgs:
                 "--tokendance-separator",
                 f"{self.separator!r} must contain letters or digits and no surrounding whitespace",
             )
-        for name in ("min_segment_tokens", "max_segments", "check_layer", "block_size"):
-            if getattr(self, name) < 1:
-                raise TokenDanceArgsError(flag_of(_field(name)), f"must be >= 1, got {getattr(self, name)}")
-        if self.block_head_tokens < 0:
-            raise TokenDanceArgsError(flag_of(_field("block_head_tokens")), f"must be >= 0, got {self.block_head_tokens}")
-        if not 0.0 <= self.recompute_ratio <= 1.0:
-            raise TokenDanceArgsError(flag_of(_field("recompute_ratio")), f"must be in [0, 1], got {self.recompute_ratio}")
-        if self.screen_layer < 0:
-            raise TokenDanceArgsError(flag_of(_field("screen_layer")), f"must be >= 0, got {self.screen_layer}")
-        if self.screen_factor < 1.0:
-            raise TokenDanceArgsError(flag_of(_field("screen_factor")), f"must be >= 1, got {self.screen_factor}")
+        for name, (low, high) in _RANGES.items():
+            value = getattr(self, name)
+            if value < low or (high is not None and value > high):
+                bounds = f">= {low:g}" if high is None else f"in [{low:g}, {high:g}]"
+                raise TokenDanceArgsError(flag_of(_field(name)), f"must be {bounds}, got {value}")
         for name, choices in (("selection", SELECTION_RULES), ("selection_granularity", GRANULARITIES)):
             if getattr(self, name) not in choices:
                 raise TokenDanceArgsError(
@@ -222,6 +216,10 @@ def tokendance_info(args: TokenDanceArgs) -> dict[str, Any]:
 
 
 _TYPES = {"bool": bool, "int": int, "float": float, "str": str}
+_RANGES = {  # field -> (lowest, highest or None) allowed value
+    "min_segment_tokens": (1, None), "max_segments": (1, None), "check_layer": (1, None), "block_size": (1, None),
+    "block_head_tokens": (0, None), "screen_layer": (0, None), "screen_factor": (1, None), "recompute_ratio": (0, 1),
+}
 
 
 def _field(name: str) -> dataclasses.Field:
