@@ -53,7 +53,7 @@ def add_leaf(forest, ids: list[int], first_slot: int, accessed: float, created: 
 
 
 def add_segment(forest, key: str, first_slot: int, length: int, accessed: float, created: float):
-    entry = forest.segments.insert(key, torch.arange(first_slot, first_slot + length))
+    entry = forest.segments.insert(key, torch.arange(first_slot, first_slot + length), list(range(length)))
     entry.last_access_time, entry.creation_time = accessed, created
     return entry
 
@@ -117,7 +117,7 @@ def test_a_segment_split_over_chunks_is_reused_piecewise_and_counted_once():
     req = fake_req(spans, prompt_len=120)
     state = RequestReuse.of(req, can_reuse=True)
     table = SegmentTable()
-    table.insert(state.key("a"), torch.arange(100, 140))
+    table.insert(state.key("a"), torch.arange(100, 140), list(range(10, 50)))
     assert state.first_reused == NOT_REUSED
     first = state.plan_chunk(table, 0, 32)  # chunk [0, 32): the head of "a"
     assert [(r.start, r.end, r.segment_offset) for r in first.runs] == [(10, 32, 0)]
@@ -136,14 +136,27 @@ def test_a_segment_split_over_chunks_is_reused_piecewise_and_counted_once():
     assert req.customized_info[REUSE_INFO_KEY] == [vars(counts)]
 
 
+def test_a_corrupted_entry_is_refused_and_the_span_computed():
+    from sglang_tokendance.srt.reuse import RequestReuse
+
+    req = fake_req([SegmentSpan(0, 20, "a"), SegmentSpan(20, 40, "b")], prompt_len=50)
+    state = RequestReuse.of(req, can_reuse=True)
+    table = SegmentTable()
+    table.insert(state.key("a"), torch.arange(20), list(range(20)))
+    table.insert(state.key("b"), torch.arange(20, 40), list(range(20, 40))).checksum ^= 0xFF
+    plan = state.plan_chunk(table, 0, 50)
+    assert [(r.start, r.end) for r in plan.runs] == [(0, 20)] and (plan.hits, plan.misses) == (1, 1)
+    assert table.refused == 1 and state.counts.computed_tokens == 30
+
+
 def test_the_last_prompt_token_and_a_short_entry_are_never_reused():
     from sglang_tokendance.srt.reuse import RequestReuse
 
     req = fake_req([SegmentSpan(0, 20, "a"), SegmentSpan(30, 50, "out")], prompt_len=50)
     state = RequestReuse.of(req, can_reuse=True)
     table = SegmentTable()
-    table.insert(state.key("a"), torch.arange(20))
-    table.insert(state.key("out"), torch.arange(100, 119))  # an output segment: its last token had no KV
+    table.insert(state.key("a"), torch.arange(20), list(range(20)))
+    table.insert(state.key("out"), torch.arange(100, 119), list(range(30, 50)))  # an output: last token lacks KV
     plan = state.plan_chunk(table, 0, 50)
     assert [(r.start, r.end) for r in plan.runs] == [(0, 20), (30, 49)]
 
@@ -157,7 +170,7 @@ def test_requests_without_segments_or_reuse_keep_sglangs_path():
     req = fake_req([SegmentSpan(0, 20, "a")], 30)
     state = RequestReuse.of(req, can_reuse=False)
     table = SegmentTable()
-    table.insert(state.key("a"), torch.arange(20))
+    table.insert(state.key("a"), torch.arange(20), list(range(20)))
     assert state.plan_chunk(table, 0, 30).runs == [] and req.customized_info is None
     assert namespace_of(SimpleNamespace(extra_key="lora-x", cache_salt="t")) != namespace_of(
         SimpleNamespace(extra_key=None, cache_salt="t"))

@@ -27,7 +27,7 @@ def test_series_count_restores_and_hold_bytes():
     metrics.count_reuse(reused_tokens=30, recomputed_tokens=4)
     metrics.count_restore(hits=1, misses=0)
     metrics.count_reuse(reused_tokens=5, recomputed_tokens=0)
-    table.insert("h", torch.arange(7))
+    table.insert("h", torch.arange(7), list(range(7)))
     metrics.update_held()
     value = lambda name: REGISTRY.get_sample_value(name, LABELS)  # noqa: E731
     assert value("sglang:tokendance_segment_hits_total") == 3
@@ -52,8 +52,8 @@ def test_forest_reports_bytes_held_after_evicting_segments():
 
     forest = make_forest()
     forest.metrics = Recorder()
-    forest.segments.insert("a", torch.arange(4))
-    forest.segments.insert("b", torch.arange(4, 8)).last_access_time += 1.0
+    forest.segments.insert("a", torch.arange(4), [1, 2, 3, 4])
+    forest.segments.insert("b", torch.arange(4, 8), [5, 6, 7, 8]).last_access_time += 1.0
     assert forest.evict(EvictParams(num_tokens=4)).num_tokens_evicted == 4
     assert list(forest.segments.entries) == ["b"] and forest.metrics.held_updates == 1
 

@@ -7,21 +7,34 @@ the fields SGLang's eviction strategies read off a radix-tree node (last access,
 time, hit count, priority), so the forest evicts segments and tree leaves in one order under
 any `--radix-eviction-policy`. Entries need no lock refs: a request uses an entry only while
 its KV is copied into the request's own slots, right after allocation, when nothing can evict.
+
+Integrity: an entry also carries a cheap checksum (CRC-32) and the length of the token ids it
+was cached for, and a lookup names the ids the reader expects there. An entry that does not
+match them (a hash collision, or any bookkeeping fault) is refused and counted, never used:
+the reader computes those tokens itself.
 """
 
 from __future__ import annotations
 
 import time
+import zlib
+from array import array
 from dataclasses import dataclass, field
-from typing import Hashable
+from typing import Hashable, Sequence
 
 import torch
+
+
+def token_checksum(ids: Sequence[int]) -> int:
+    return zlib.crc32(array("q", ids).tobytes())
 
 
 @dataclass(eq=False)
 class SegmentEntry:
     key: Hashable
     slots: torch.Tensor  # one KV-pool slot per token, holding un-rotated K and V
+    num_ids: int  # the segment's token ids (an output segment has one slot fewer: its last token has no KV)
+    checksum: int  # token_checksum of those ids
     last_access_time: float = field(default_factory=time.monotonic)
     creation_time: float = field(default_factory=time.monotonic)
     hit_count: int = 0
@@ -29,6 +42,9 @@ class SegmentEntry:
 
     def __len__(self) -> int:
         return int(self.slots.numel())
+
+    def holds(self, ids: Sequence[int]) -> bool:
+        return len(ids) == self.num_ids and token_checksum(ids) == self.checksum
 
 
 class SegmentTable:
@@ -41,15 +57,19 @@ class SegmentTable:
         self.inserted = 0
         self.duplicates = 0
         self.evicted = 0
+        self.refused = 0
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self.entries
 
-    def insert(self, key: Hashable, slots: torch.Tensor) -> SegmentEntry:
-        """Add a new segment; the caller checks `in` first (a duplicate is only counted)."""
+    def insert(self, key: Hashable, slots: torch.Tensor, ids: Sequence[int]) -> SegmentEntry:
+        """Add a new segment holding the KV of `ids` (all of them, or all but the last); the
+        caller checks `in` first (a duplicate is only counted)."""
         if key in self.entries:
             raise KeyError(f"segment {key} is already cached")
-        entry = SegmentEntry(key, slots)
+        if not len(ids) - 1 <= slots.numel() <= len(ids):
+            raise ValueError(f"{slots.numel()} slots cannot hold the KV of {len(ids)} token ids")
+        entry = SegmentEntry(key, slots, len(ids), token_checksum(ids))
         self.entries[key] = entry
         self.tokens += len(entry)
         self.inserted += 1
@@ -59,8 +79,12 @@ class SegmentTable:
         self.duplicates += 1
         self.entries[key].last_access_time = time.monotonic()
 
-    def lookup(self, key: Hashable) -> SegmentEntry | None:
+    def lookup(self, key: Hashable, ids: Sequence[int]) -> SegmentEntry | None:
+        """The entry for `key` if it holds `ids`; a mismatching entry is refused (counted)."""
         entry = self.entries.get(key)
+        if entry is not None and not entry.holds(ids):
+            self.refused += 1
+            return None
         if entry is not None:
             entry.hit_count += 1
             entry.last_access_time = time.monotonic()
@@ -88,4 +112,5 @@ class SegmentTable:
             "segments_inserted": self.inserted,
             "segment_duplicates": self.duplicates,
             "segments_evicted": self.evicted,
+            "segments_refused": self.refused,
         }

@@ -112,7 +112,8 @@ class SegmentForest(RadixCache):
         state.uninserted = [span for span in state.uninserted if span.end > up_to]
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
         for span in ready:
-            self._cache_segment(state.key(span.hash), row, span.start, span.end - span.start)
+            self._cache_segment(state.key(span.hash), req.origin_input_ids[span.start:span.end], row, span.start,
+                                span.end - span.start)
 
     def register_output(self, req, state: RequestReuse) -> None:
         """Cache a finished request's generated text as a segment (srt/output_registration)."""
@@ -120,13 +121,13 @@ class SegmentForest(RadixCache):
         if ids is None:
             return
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
-        self._cache_segment(state.key(segment_hash(ids, self.salt)), row, len(req.origin_input_ids),
+        self._cache_segment(state.key(segment_hash(ids, self.salt)), ids, row, len(req.origin_input_ids),
                             output_kv_tokens(req, len(ids)))
 
-    def _cache_segment(self, key, row: torch.Tensor, start: int, length: int) -> None:
-        """Copy row positions [start, start + length) into new segment slots under `key`
-        (a duplicate is only counted; with no free slot nothing is cached: a segment copy
-        never evicts live prefixes)."""
+    def _cache_segment(self, key, ids, row: torch.Tensor, start: int, length: int) -> None:
+        """Copy row positions [start, start + length) -- the KV of `ids` -- into new segment
+        slots under `key` (a duplicate is only counted; with no free slot nothing is cached:
+        a segment copy never evicts live prefixes)."""
         if key in self.segments:
             self.segments.count_duplicate(key)
             return
@@ -135,7 +136,7 @@ class SegmentForest(RadixCache):
             return
         positions = torch.arange(start, start + length, device=row.device)
         copy_kv(self.pool, row[start:start + length].to(torch.int64), slots, positions, unrotate, self.rope)
-        self.segments.insert(key, slots)
+        self.segments.insert(key, slots, ids)
 
     # --- reuse ------------------------------------------------------------------------------
 

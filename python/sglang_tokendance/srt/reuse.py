@@ -103,7 +103,7 @@ class RequestReuse:
                 start, end = max(span.start, prefix_len), min(span.end, extend_end, last_fresh)
                 if end <= start:
                     continue
-                entry = table.lookup(self.key(span.hash))
+                entry = table.lookup(self.key(span.hash), self.req.origin_input_ids[span.start:span.end])
                 counted = index in self._looked_up
                 self._looked_up.add(index)
                 if entry is not None:
