@@ -43,6 +43,7 @@ def register(args: TokenDanceArgs) -> None:
 
     HookRegistry.register(f"{TOKENIZER_MANAGER}.generate_request", generate_request, HookType.AROUND)
     HookRegistry.register(f"{TOKENIZER_MANAGER}._wait_one_response", _wait_one_response, HookType.AROUND)
+    HookRegistry.register(f"{TOKENIZER_MANAGER}._validate_one_request", refuse_unservable_prompt, HookType.AROUND)
     HookRegistry.register(f"{SERVING_CHAT}._render_and_encode_chat_template", render_marked_chat, HookType.AROUND)
     HookRegistry.register(f"{SERVING_CHAT}._append_assistant_prefix_to_prompt_ids", _append_prefix_to_text,
                           HookType.AROUND)
@@ -208,6 +209,21 @@ def _wait_one_response(original, self, obj, request=None, *rest, **kw):
             yield out
 
     return with_tokendance_info()
+
+
+def refuse_unservable_prompt(original, tokenizer_manager, obj, input_ids, *rest, **kw):
+    """AROUND SGLang's per-request validation: a prompt of no tokens (empty text on a
+    tokenizer without BOS, `"input_ids": []`) or holding a token id outside the vocabulary is a
+    400. SGLang 0.5.23 checks neither, and its forward over such a batch raises in the
+    scheduler, which takes the server down with every request in it."""
+    if input_ids is not None and getattr(obj, "input_embeds", None) is None:
+        if len(input_ids) == 0:
+            raise ValueError("the prompt is empty: it has no tokens")
+        vocab_size = tokenizer_manager.model_config.vocab_size
+        bad = next((t for t in input_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    return original(tokenizer_manager, obj, input_ids, *rest, **kw)
 
 
 def _openai_metadata(result: dict, meta_info: dict, *rest, **kw) -> dict:
