@@ -60,7 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefill-only", action="store_true",
                    help="time only the rounds' prefill, at every --num-agents, modes interleaved")
     p.add_argument("--repeats", type=int, default=1, help="--prefill-only: sessions per mode and N")
-    p.add_argument("--chunked-prefill-size", type=int, default=None, help="of started servers (-1: off)")
+    p.add_argument("--server-args", default="", help="extra flags for every started server (one string)")
     p.add_argument("--no-permute", action="store_true", help="every agent sees blocks in one order")
     p.add_argument("--num-sessions", type=int, default=1, help="simulations run concurrently")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="session arrivals per second")
@@ -100,9 +100,7 @@ def server_argv(args, mode: Mode) -> list[str]:
         argv += ["--model-path", args.model_path]
     if args.max_total_tokens:
         argv += ["--max-total-tokens", str(args.max_total_tokens)]
-    if args.chunked_prefill_size:
-        argv += ["--chunked-prefill-size", str(args.chunked_prefill_size)]
-    return argv
+    return argv + args.server_args.split()
 
 
 class Systems:

@@ -4,7 +4,8 @@ Starts each mode's server (bench/multiagent.py's MODES) and runs one prefill-onl
 session (bench_multiagent --prefill-only's rounds); py-spy samples the scheduler process
 during the timed rounds after the first (those that reuse), and the samples are sorted into
 operations and blended-prefill phases (bench/profiling.py). Writes a Markdown breakdown and
-the raw collapsed stacks beside it.
+the raw collapsed stacks and the run summary beside it; `--render` rebuilds the Markdown from
+those (after a change of categories) without running anything.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -38,10 +40,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
     p.add_argument("--server-args", default="--chunked-prefill-size 16384 --mem-fraction-static 0.5", help="extra flags for every server")
     p.add_argument("--output", type=Path, default=Path("benchmark/results/profile.md"))
+    p.add_argument("--render", action="store_true", help="only rebuild the Markdown from a previous run's files")
     return p.parse_args(argv)
 
 
-def profile_mode(args, mode_name: str, stacks: Path) -> tuple[dict, str]:
+def profile_mode(args, mode_name: str, stacks: Path) -> dict:
     mode = MODES[mode_name]
     config = replace(PRESETS[args.preset], num_agents=args.num_agents, num_rounds=args.num_rounds,
                      block_words=args.block_words, seed=args.seed)
@@ -64,24 +67,28 @@ def profile_mode(args, mode_name: str, stacks: Path) -> tuple[dict, str]:
         asyncio.run(go())
     timed = [r.prefill for r in result.rounds if r.round > 0]
     return {"mode": mode.name, "rounds_profiled": len(timed), "prefill_s": sum(timed),
-            "cpu_busy_before": idle["cpu_busy_fraction"]}, stacks.read_text()
+            "cpu_busy_before": idle["cpu_busy_fraction"]}
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    sections, summary = [], []
-    for name in args.modes.split(","):
-        stacks = args.output.with_name(f"{args.output.stem}_{name}.collapsed.txt")
-        row, collapsed = profile_mode(args, name, stacks)
-        summary.append(row)
-        sections.append((f"{name}: by operation", breakdown_table(categorize(collapsed, OPERATIONS), OPERATIONS,
-                                                                   args.rate)))
-        sections.append((f"{name}: by phase", breakdown_table(categorize(collapsed, PHASES), PHASES, args.rate)))
-    sections.insert(0, ("Profiled rounds (prefill only, rounds 1 on: those with reuse)",
-                        report.markdown_table(summary, ["mode", "rounds_profiled", "prefill_s", "cpu_busy_before"])))
-    report.write_markdown(args.output, "Prefill profile (py-spy, scheduler process)",
-                          report.command_line("sglang_tokendance.bench_profile", argv), sections)
+    summary_path = args.output.with_suffix(".json")
+    stacks = {name: args.output.with_name(f"{args.output.stem}_{name}.collapsed.txt") for name in args.modes.split(",")}
+    if args.render:
+        saved = json.loads(summary_path.read_text())
+        command, summary = saved["command"], saved["summary"]
+    else:
+        command = report.command_line("sglang_tokendance.bench_profile", argv)
+        summary = [profile_mode(args, name, path) for name, path in stacks.items()]
+        summary_path.write_text(json.dumps({"command": command, "summary": summary}, indent=1))
+    sections = [("Profiled rounds (prefill only, rounds 1 on: those with reuse)",
+                 report.markdown_table(summary, ["mode", "rounds_profiled", "prefill_s", "cpu_busy_before"]))]
+    for name, path in stacks.items():
+        collapsed = path.read_text()
+        for title, rules in ((f"{name}: by operation", OPERATIONS), (f"{name}: by phase", PHASES)):
+            sections.append((title, breakdown_table(categorize(collapsed, rules), rules, args.rate)))
+    report.write_markdown(args.output, "Prefill profile (py-spy, scheduler process)", command, sections)
     print(args.output.read_text())
 
 

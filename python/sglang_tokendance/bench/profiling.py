@@ -22,14 +22,16 @@ from typing import Iterator
 # (category, regex on a frame's function name), by priority
 OPERATIONS = [
     ("segment restore copy (before the forward)", r"restore_segments"),
-    ("attention mass (second pass)", r"^attention_received$"),
+    ("attention mass (before: its own second pass; after: from the pass's log-sum-exp)",
+     r"^attention_received$|^attention_mass$"),
     ("selection scoring + top-r", r"^select_kept$|^_attention_kv$|deviation$|^<lambda>$"),
-    ("sparse write-back", r"^_restore_cached$|^_drop_tracked$"),
+    ("write-back (before: cached KV restored; after: kept tokens' probe KV written)",
+     r"^_restore_cached$|^_drop_tracked$|^_write_probe_kv$"),
     ("attention", r"position_masked_attention|_run_sdpa_forward_extend|^attend$|^_sdpa$|^_mass_attention$"),
     ("MLP", r"MLP\.forward$"),
+    ("norms", r"RMSNorm"),  # before QKV: the blended path's qkv runs the input norm
     ("QKV projection + RoPE", r"forward_prepare_native|SGLangLayers\.qkv|RotaryEmbedding"),
     ("o_proj", r"RowParallelLinear"),
-    ("norms", r"RMSNorm"),
     ("KV pool write / gather", r"set_kv_buffer|PoolKV\.|gather_kv"),
     ("logits + sampling", r"LogitsProcessor|Sampler|sample"),
     ("other in the forward (Python / host)", r"blended_prefill|^model_forward$|Model\.forward$"),
@@ -37,7 +39,7 @@ OPERATIONS = [
 PHASES = [
     ("segment restore copy (before the forward)", r"restore_segments"),
     ("selection (screen + check)", r"^select_kept$|^select$|^_attention_kv$|deviation$|^_screen_out$"),
-    ("sparse write-back", r"^_restore_cached$|^_drop_tracked$|^_write_kept$"),
+    ("write-back (as above)", r"^_restore_cached$|^_drop_tracked$|^_write_probe_kv$"),
     ("probe layers 0..c (screen included)", r"^_probe_layers$"),
     ("layers after the check (or all, plain reuse)", r"^_run_layers$"),
     ("other blended-prefill work", r"blended_prefill|^probe$|^finish$"),
