@@ -221,20 +221,15 @@ def cos_sin(
 
 
 def _apply(x: torch.Tensor, angles: torch.Tensor, scale: float, spec: RopeSpec) -> torch.Tensor:
-    """Rotate ``x[..., :rotary_dim]`` by ``angles`` and multiply it by ``scale``, in float32.
-
-    The float64 angles are reduced to [-pi, pi) in float64 and only then rounded to float32
-    for cos/sin (error ~2e-7, far below the model's own float32 angles' ``position * 6e-8``):
-    float64 cos/sin are scalar and slow on the CPU, and the segment restore copy rotates
-    every layer's K."""
+    """Rotate ``x[..., :rotary_dim]`` by ``angles`` and multiply it by ``scale``, in float32."""
     if x.dim() < 2 or x.shape[0] != angles.shape[0] or x.shape[-1] != spec.head_dim:
         raise ValueError(
             f"x must be [tokens, ..., head_dim={spec.head_dim}] with {angles.shape[0]} tokens, "
             f"got shape {tuple(x.shape)}"
         )
     view = (angles.shape[0],) + (1,) * (x.dim() - 2) + (-1,)
-    reduced = (torch.remainder(angles + math.pi, 2 * math.pi) - math.pi).to(torch.float32)
-    cos, sin = (reduced.cos() * scale).view(view), (reduced.sin() * scale).view(view)
+    cos = (angles.cos() * scale).to(torch.float32).view(view)
+    sin = (angles.sin() * scale).to(torch.float32).view(view)
     r = spec.rotary_dim
     xf = x.to(torch.float32)
     rot, rest = xf[..., :r], xf[..., r:]
