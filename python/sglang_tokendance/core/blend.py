@@ -4,19 +4,21 @@ An extend batch's tokens are either fresh (private text, missed segments, the la
 token: no KV yet) or reused (their segment's cached KV was rotated into their slots before the
 forward). With recompute ratio r > 0:
 
-1. probe: layers 0..c run on every token, writing their recomputed KV (a full prefill of
-   those layers; the reused tokens' cached KV is kept aside) -- optionally with a screen at
+1. probe: layers 0..c run on every token (a full prefill of those layers; the reused
+   tokens' recomputed KV is held aside, their cached KV stays in place) -- optionally with a screen at
    a shallower layer s, after which only the reused tokens the rule ranks best there (a few
    times r) run on to c;
 2. check: a selection rule (core/selection.py) scores the reused tokens at layer c and the
    top r of them (per request) are kept for recompute;
 3. layers c+1..L-1 run on the fresh and kept tokens only; the others keep their cached KV.
 
-With sparse write-back (default) the tokens not kept get their cached KV back at layers 0..c
-too, so a request's KV differs from the cached segments only at kept tokens -- what a compact
-Master-Mirror diff needs. The fresh and kept tokens carry on from their probe states.
-r = 1 is a full prefill; r = 0 recomputes nothing, not even the probe: only fresh tokens run,
-attending to the cached KV at every layer.
+With sparse write-back (default) the tokens not kept keep their cached KV at layers 0..c too
+(only the kept ones' probe KV is written), so a request's KV differs from the cached segments
+only at kept tokens -- what a compact Master-Mirror diff needs; dense write-back writes every
+probed token's. The fresh and kept tokens carry on from their probe states.
+r = 1 is a full prefill (run as one: every token is kept whatever the scores); r = 0
+recomputes nothing, not even the probe: only fresh tokens run, attending to the cached KV at
+every layer.
 
 Attention is causal by absolute position over each request's whole KV row, batched over the
 batch (core/attention.py), so any subset of tokens can be computed. The work is organised in
