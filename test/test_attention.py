@@ -1,4 +1,4 @@
-"""core/attention: scattered queries attend causally by absolute position."""
+"""core/attention: a stage's scattered queries, batched over requests, attend causally by position."""
 
 from __future__ import annotations
 
@@ -6,37 +6,130 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sglang_tokendance.core.attention import position_masked_attention
+from sglang_tokendance.core.attention import CAUSAL_SHARE, attend, plan_grids
+from sglang_tokendance.core.rope import RopeSpec, rotate, unrotate
+
+HEADS, KV_HEADS, D = 6, 2, 8
+SCALE = D ** -0.5
 
 
-def full_causal(q, k, v, scale):
+def full_causal(q, k, v):
+    """Reference: one request's plain causal attention, GQA by repeating KV heads."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                         is_causal=True, scale=scale)
+                                         is_causal=True, scale=SCALE)
     return out.transpose(0, 1)
 
 
-def test_scattered_queries_equal_rows_of_the_full_causal_attention():
-    torch.manual_seed(0)
-    n, heads, kv_heads, d = 12, 6, 2, 8
-    q, k, v = torch.randn(n, heads, d), torch.randn(n, kv_heads, d), torch.randn(n, kv_heads, d)
-    positions = torch.arange(n)
-    full = full_causal(q, k, v, d ** -0.5)
-    rows = torch.tensor([0, 3, 4, 11])
-    part = position_masked_attention(q[rows], k, v, positions[rows], positions, d ** -0.5)
-    assert torch.allclose(part, full[rows], atol=1e-6)
-    assert torch.allclose(position_masked_attention(q, k, v, positions, positions, d ** -0.5), full, atol=1e-6)
+class Batch:
+    """Requests of given lengths, KV rows scattered over one pool, each request's computed
+    tokens given by a mask over its row."""
+
+    def __init__(self, computed: list[torch.Tensor], seed: int = 0):
+        gen = torch.Generator().manual_seed(seed)
+        total = sum(c.numel() for c in computed)
+        self.keys = torch.randn(total + 1, KV_HEADS, D, generator=gen)
+        self.values = torch.randn(total + 1, KV_HEADS, D, generator=gen)
+        order = torch.randperm(total, generator=gen) + 1
+        self.rows, self.q_full, used = [], [], 0
+        for c in computed:
+            self.rows.append(order[used:used + c.numel()])
+            self.q_full.append(torch.randn(c.numel(), HEADS, D, generator=gen))
+            used += c.numel()
+        self.computed = computed
+        self.request = torch.cat([torch.full((int(c.sum()),), b) for b, c in enumerate(computed)])
+        self.position = torch.cat([c.nonzero().squeeze(1) for c in computed])
+        self.slots = torch.cat([row[c] for row, c in zip(self.rows, computed)])
+        self.q = torch.cat([qf[c] for qf, c in zip(self.q_full, computed)])
+
+    def run(self, overlay=None, mass=False, **kw):
+        grids = plan_grids(self.request, self.position, self.rows, overlay=overlay, mass=mass)
+        k, v = self.keys[self.slots], self.values[self.slots]
+        out = torch.empty_like(self.q)
+        for grid in grids:
+            out[grid.tokens] = attend(grid, self.q, k, v, self.keys, self.values, SCALE, **kw)
+        return out, grids
+
+    def reference(self) -> torch.Tensor:
+        return torch.cat([full_causal(qf, self.keys[row], self.values[row])[c]
+                          for qf, row, c in zip(self.q_full, self.rows, self.computed)])
+
+
+def mask(n: int, computed: list[int]) -> torch.Tensor:
+    m = torch.zeros(n, dtype=torch.bool)
+    m[computed] = True
+    return m
+
+
+def test_scattered_queries_of_several_requests_equal_their_rows_of_causal_attention():
+    dense = mask(12, list(range(3, 12)))  # a radix prefix of 3, then every token: causal by index
+    sparse = mask(20, [0, 4, 5, 11, 19])  # a blended request: packed under a position mask
+    batch = Batch([dense, sparse, mask(7, [6])])
+    out, grids = batch.run()
+    assert [g.mask is None for g in grids] == [True, False]
+    assert 9 >= CAUSAL_SHARE * 12 and 5 < CAUSAL_SHARE * 20
+    torch.testing.assert_close(out, batch.reference(), atol=1e-6, rtol=1e-6)
 
 
 def test_keys_after_the_query_position_are_ignored():
-    q = torch.randn(1, 2, 4)
-    k, v = torch.randn(3, 1, 4), torch.randn(3, 1, 4)
-    out = position_masked_attention(q, k, v, torch.tensor([0]), torch.tensor([0, 1, 2]), 0.5)
-    assert torch.allclose(out, v[0].expand(2, 4).unsqueeze(0), atol=1e-6)  # only key 0 is visible
+    batch = Batch([mask(3, [0])])
+    out, _ = batch.run()
+    expected = batch.values[batch.rows[0][0]].repeat_interleave(HEADS // KV_HEADS, 0)
+    torch.testing.assert_close(out[0], expected)  # only key 0 is visible
 
 
-def test_heads_must_group_evenly():
-    with pytest.raises(ValueError, match="multiple"):
-        position_masked_attention(torch.randn(1, 3, 4), torch.randn(2, 2, 4), torch.randn(2, 2, 4),
-                                  torch.tensor([1]), torch.tensor([0, 1]), 1.0)
+@pytest.mark.parametrize("computed", [list(range(16)), [1, 2, 9, 15]])
+def test_overlaid_kv_replaces_the_stored_kv(computed):
+    batch = Batch([mask(16, computed)])
+    overlay = torch.zeros(len(computed), dtype=torch.bool)
+    overlay[::2] = True
+    fresh_k = torch.randn(len(computed), KV_HEADS, D)
+    fresh_v = torch.randn(len(computed), KV_HEADS, D)
+    grids = plan_grids(batch.request, batch.position, batch.rows, overlay=overlay)
+    k = torch.where(overlay[:, None, None], fresh_k, batch.keys[batch.slots])
+    v = torch.where(overlay[:, None, None], fresh_v, batch.values[batch.slots])
+    out = attend(grids[0], batch.q, k, v, batch.keys, batch.values, SCALE)
+    stored_k, stored_v = batch.keys.clone(), batch.values.clone()
+    stored_k[batch.slots[overlay]], stored_v[batch.slots[overlay]] = fresh_k[overlay], fresh_v[overlay]
+    want = full_causal(batch.q_full[0], stored_k[batch.rows[0]], stored_v[batch.rows[0]])[batch.computed[0]]
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
+    assert not torch.equal(stored_k, batch.keys)  # the store itself was not written
+
+
+def test_keys_rotated_on_read_equal_keys_stored_rotated():
+    """The Master-Mirror seam: K kept un-rotated and rotated by position when a row reads it."""
+    spec = RopeSpec(head_dim=D, rotary_dim=D, base=10000.0)
+    batch = Batch([mask(10, [2, 7, 8, 9]), mask(6, list(range(6)))])
+    want, _ = batch.run()
+    for row in batch.rows:
+        batch.keys[row] = unrotate(batch.keys[row], torch.arange(row.numel()), spec)  # the store un-rotated...
+    got, _ = batch.run(key_transform=lambda k, pos: rotate(k.flatten(0, 1), pos.repeat(k.shape[0]), spec).view_as(k))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)  # ...and rotated back on read
+
+
+@pytest.mark.parametrize("computed", [list(range(2, 14)), [0, 3, 4, 5, 10, 13]])
+def test_attention_mass_is_what_the_unmarked_queries_pay_the_marked_keys(computed):
+    batch = Batch([mask(14, computed), mask(9, list(range(9)))], seed=3)
+    marked = torch.tensor([i % 3 == 1 for i in range(batch.q.shape[0])])
+    mass = torch.zeros(int(marked.sum()))
+    out, _ = batch.run()
+    grids = plan_grids(batch.request, batch.position, batch.rows, overlay=marked, mass=True)
+    k, v = batch.keys[batch.slots], batch.values[batch.slots]
+    for grid in grids:
+        torch.testing.assert_close(attend(grid, batch.q, k, v, batch.keys, batch.values, SCALE, mass_out=mass),
+                                   out[grid.tokens], atol=1e-6, rtol=1e-6)
+    want = torch.zeros_like(mass)
+    token = 0
+    for b, (qf, row, c) in enumerate(zip(batch.q_full, batch.rows, batch.computed)):
+        group = HEADS // KV_HEADS
+        logits = torch.einsum("qhd,khd->hqk", qf, batch.keys[row].repeat_interleave(group, 1)) * SCALE
+        logits = logits.masked_fill(torch.ones(row.numel(), row.numel(), dtype=torch.bool).triu(1), float("-inf"))
+        weights = logits.softmax(-1).sum(0)  # [q, k] summed over heads
+        positions = c.nonzero().squeeze(1)
+        mine = marked[token:token + positions.numel()]
+        paid = weights[positions[~mine]].sum(0)[positions[mine]]
+        rank = int(marked[:token].sum())
+        want[rank:rank + paid.numel()] = paid
+        token += positions.numel()
+    torch.testing.assert_close(mass, want, atol=1e-5, rtol=1e-5)

@@ -160,3 +160,31 @@ def test_cli_drives_a_running_server(fake, tmp_path):
     assert summary["mode"] == "sglang" and summary["num_requests"] == 8
     assert len(fake.bodies) == 8 + 1  # 2 sessions x 2 rounds x 2 agents, plus the warm-up
     assert not any(SEP in b["text"] or "tokendance" in b for b in fake.bodies)
+
+
+@pytest.mark.parametrize("scenario", ["plain", "ratio-one", "default", "unscreened-dense", "screened-dense"])
+def test_token_layers_from_the_servers_counts_match_the_blended_prefills(scenario):
+    """The benchmark's work count, from per-request reused/recomputed tokens, equals what
+    core/blend counted (token granularity, no head tokens)."""
+    import torch
+
+    from sglang_tokendance.bench_multiagent import token_layers
+    from sglang_tokendance.bench.multiagent import RequestRecord
+    from sglang_tokendance.core.blend import blended_prefill
+    from sglang_tokendance.core.selection import rule_named
+    from test_blend_golden import SCENARIOS, batch, tiny
+
+    model = tiny("llama")
+    ids, positions, rows, kv = batch(model)
+    options, rule = SCENARIOS[scenario]
+    with torch.no_grad():
+        _, stats = blended_prefill(model, kv, ids, positions, rows, options, rule and rule_named(rule))
+    total, start = 0, 0
+    for row in rows:
+        reused = sum(run.end - run.start for run in row.reused)
+        kept = 0 if stats.kept is None else int(stats.kept[start:start + reused].sum())
+        start += reused
+        record = RequestRecord(0, 0, 0, 0.0, 0.0, row.prefix_len + row.num_tokens, row.prefix_len, 1,
+                               reused - kept, "", recomputed_tokens=kept)
+        total += token_layers(record, options, model.num_layers)
+    assert total == stats.token_layers

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from sglang_tokendance.bench.hf_layerwise import DenseKV, HFLayerwise, full_prefill
-from sglang_tokendance.core.attention import attention_received
 from sglang_tokendance.core.blend import BlendOptions, RequestRow, blended_prefill, finish, probe, select
 from sglang_tokendance.core.rope import RopeSpec, rotate, unrotate
 from sglang_tokendance.core.selection import RULES, ReusedSegment, fixed_scores, rule_named, select_kept
@@ -181,21 +180,10 @@ def test_a_segment_split_over_chunks_is_cut_like_the_whole_one():
     assert not heads.any()  # the segment's head tokens were in the earlier chunk
 
 
-def test_rules_and_attention_mass():
+def test_rules():
     with pytest.raises(ValueError, match="unknown selection rule"):
         rule_named("best")
-    q, k = torch.randn(5, 4, 8), torch.randn(9, 2, 8)
-    mass = attention_received(q, k, torch.arange(4, 9), torch.arange(9), 0.3)
-    assert mass.shape == (9,)
-    torch.testing.assert_close(mass.sum(), torch.tensor(5.0 * 4))  # each query-head pays 1
-    assert mass[:4].min() > 0
     assert fixed_scores("oracle", torch.ones(3)).score(None).tolist() == [1.0, 1.0, 1.0]
-
-
-def test_attention_mass_is_the_same_in_chunks():
-    q, k = torch.randn(7, 4, 8), torch.randn(12, 2, 8)
-    whole = attention_received(q, k, torch.arange(5, 12), torch.arange(12), 0.3)
-    torch.testing.assert_close(attention_received(q, k, torch.arange(5, 12), torch.arange(12), 0.3, chunk=3), whole)
 
 
 @torch.no_grad()

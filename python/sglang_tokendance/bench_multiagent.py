@@ -8,12 +8,20 @@ system of --modes itself, one after the other on the same machine, and compares 
 With --base-url or --port it drives one running server; --backend says which kind it is.
 --capacity finds, per mode and session rate, the most agents whose mean round latency stays
 under an SLO at a fixed KV budget (--max-total-tokens).
+--prefill-only times just the rounds' prefill (one token asked; the next round's messages are
+stand-ins registered by untimed author prefills, bench/multiagent.py) at every N of
+--num-agents (e.g. 4,8,16), with every mode's server up at once and the modes interleaved, and
+reports each mode's prefill time and work (token-layers computed) as fractions of a full
+prefill's -- the time measured against stock radix, the work counted from the server's
+reused/recomputed tokens.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -22,7 +30,8 @@ from tqdm import tqdm
 
 from sglang_tokendance.bench import report
 from sglang_tokendance.bench.machine import idle_check
-from sglang_tokendance.bench.multiagent import MODES, Mode, RunResult, run_load
+from sglang_tokendance.bench.multiagent import MODES, Mode, RequestRecord, RunResult, run_load
+from sglang_tokendance.core.blend import BlendOptions
 from sglang_tokendance.bench.workloads import PRESETS, WorkloadConfig
 
 DEFAULT_OUTPUT = Path("benchmark/results/multiagent.jsonl")
@@ -42,11 +51,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-path", default=None, help="default: the prepared SmolLM2-135M-Instruct")
     p.add_argument("--max-total-tokens", type=int, default=None, help="KV budget of started servers")
     p.add_argument("--preset", choices=sorted(PRESETS), default="generative_agents")
-    p.add_argument("--num-agents", type=int, default=None)
+    p.add_argument("--num-agents", default=None,
+                   help="agents per round; with --prefill-only a comma list of them (default 4,8,16)")
     p.add_argument("--num-rounds", type=int, default=None)
     p.add_argument("--history-words", type=int, default=None)
     p.add_argument("--block-words", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--prefill-only", action="store_true",
+                   help="time only the rounds' prefill, at every --num-agents, modes interleaved")
+    p.add_argument("--repeats", type=int, default=1, help="--prefill-only: sessions per mode and N")
+    p.add_argument("--server-args", default="", help="extra flags for every started server (one string)")
     p.add_argument("--no-permute", action="store_true", help="every agent sees blocks in one order")
     p.add_argument("--num-sessions", type=int, default=1, help="simulations run concurrently")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="session arrivals per second")
@@ -63,12 +77,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [m for m in args.modes.split(",") if m not in MODES]
     if unknown:
         p.error(f"unknown mode {unknown[0]!r} (known: {', '.join(MODES)})")
+    args.agents = [int(n) for n in (args.num_agents or ("4,8,16" if args.prefill_only else "0")).split(",")]
+    if len(args.agents) > 1 and not args.prefill_only:
+        p.error("a list of --num-agents needs --prefill-only")
+    if args.prefill_only and (args.capacity or args.base_url or args.port):
+        p.error("--prefill-only starts its own servers and cannot be combined with --capacity")
     return args
 
 
 def workload_config(args) -> WorkloadConfig:
     overrides = {
-        "num_agents": args.num_agents, "num_rounds": args.num_rounds, "history_words": args.history_words,
+        "num_agents": args.agents[0] or None, "num_rounds": args.num_rounds, "history_words": args.history_words,
         "block_words": args.block_words, "max_new_tokens": args.max_new_tokens,
     }
     config = replace(PRESETS[args.preset], seed=args.seed, permute=not args.no_permute)
@@ -81,7 +100,7 @@ def server_argv(args, mode: Mode) -> list[str]:
         argv += ["--model-path", args.model_path]
     if args.max_total_tokens:
         argv += ["--max-total-tokens", str(args.max_total_tokens)]
-    return argv
+    return argv + args.server_args.split()
 
 
 class Systems:
@@ -118,15 +137,16 @@ class _Running:
         return None
 
 
-def run(mode: Mode, url: str, config: WorkloadConfig, sessions: int, rate: float, label: str) -> RunResult:
+def run(mode: Mode, url: str, config: WorkloadConfig, sessions: int, rate: float, label: str,
+        prefill_only: bool = False) -> RunResult:
     with tqdm(total=sessions * config.num_rounds, desc=label, unit="round") as progress:
-        return asyncio.run(run_load(url, mode, config, sessions, rate, progress))
+        return asyncio.run(run_load(url, mode, config, sessions, rate, progress, prefill_only))
 
 
-def warm_up(mode: Mode, url: str, config: WorkloadConfig) -> None:
+def warm_up(mode: Mode, url: str, config: WorkloadConfig, prefill_only: bool = False) -> None:
     """One small round first, so no mode pays one-off start-up costs inside the timing."""
     run(mode, url, replace(config, num_agents=1, num_rounds=1, seed=config.seed + 10_000), 1, float("inf"),
-        f"{mode.name} warm-up")
+        f"{mode.name} warm-up", prefill_only)
 
 
 def compare(args, systems: Systems, config: WorkloadConfig) -> tuple[list[dict], list[tuple[str, str]]]:
@@ -208,13 +228,110 @@ def capacity(args, systems: Systems, config: WorkloadConfig) -> tuple[list[dict]
     return records, [("Capacity", report.markdown_table(table, ["mode", "rate", "max_agents", "slo_s"]))]
 
 
+PROMPT_BLOCK_WORDS = 480  # --prefill-only: N blocks of 480/N words, prompts of ~800 tokens at any N
+
+
+def token_layers(record: RequestRecord, options: BlendOptions | None, num_layers: int) -> int:
+    """Token-layers the forward computed for one request's prompt past its radix prefix: every
+    fresh token through every layer; with a blended prefill (core/blend.py) also every reused
+    token through the probe (layers 0..s, then those passing the screen on to c) and the kept
+    ones through the rest (token granularity, no head tokens)."""
+    reused = record.reused_tokens + record.recomputed_tokens
+    fresh = record.prompt_tokens - record.cached_tokens - reused
+    if options is None or options.recompute_ratio <= 0 or not reused:
+        return fresh * num_layers
+    c = options.check_layer
+    if options.screened:
+        s, passed = options.screen_layer, round(min(1.0, options.screen_factor * options.recompute_ratio) * reused)
+        probe = reused * (s + 1) + passed * (c - s)
+    else:
+        probe = reused * (c + 1)
+    return fresh * num_layers + probe + record.recomputed_tokens * (num_layers - 1 - c)
+
+
+def model_layers(model_path: str | None) -> int:
+    from sglang_tokendance.model_store import prepared_default_model
+
+    config = json.loads((Path(model_path or prepared_default_model()) / "config.json").read_text())
+    return config["num_hidden_layers"]
+
+
+def flush_cache(url: str) -> None:
+    """Every session starts from an empty cache (the server is idle between sessions)."""
+    import requests
+
+    requests.post(url + "/flush_cache", timeout=60).raise_for_status()
+
+
+def prefill_sweep(args, systems: Systems, config: WorkloadConfig) -> tuple[list[dict], list[tuple[str, str]]]:
+    """Prefill-only sessions at every N of --num-agents, interleaved over the modes' servers."""
+    modes, layers = systems.modes(), model_layers(args.model_path)
+    results: dict[tuple[str, int], list[RunResult]] = {}
+    records, idles = [], []
+    with contextlib.ExitStack() as stack:
+        urls = {m.name: stack.enter_context(systems.serve(m)).url for m in modes}
+        for m in modes:
+            warm_up(m, urls[m.name], replace(config, num_agents=2, num_rounds=2), prefill_only=True)
+        for rep in range(args.repeats):
+            for n in args.agents:
+                words = args.block_words or max(1, round(PROMPT_BLOCK_WORDS / n))
+                session = replace(config, num_agents=n, block_words=words, seed=config.seed + rep)
+                idles.append({"repeat": rep, "num_agents": n, **idle_check()})
+                for m in modes:
+                    flush_cache(urls[m.name])
+                    result = run(m, urls[m.name], session, 1, float("inf"), f"{m.name} N={n} #{rep}", True)
+                    results.setdefault((m.name, n), []).append(result)
+                    records += [{"type": "request", "mode": m.name, "repeat": rep, **asdict(r)} for r in result.requests]
+                    records += [{"type": "round", "mode": m.name, "repeat": rep, **asdict(r)} for r in result.rounds]
+    rows = prefill_rows(modes, args.agents, results, layers)
+    records += [{"type": "idle", **i} for i in idles] + [{"type": "prefill_summary", **r} for r in rows]
+    if not args.no_plot:
+        report.plot_fractions(args.output_file.with_suffix("").with_name(args.output_file.stem + "_fractions.png"),
+                              rows)
+    columns = ["mode", "num_agents", "time_fraction", "work_fraction", "mean_prefill_s", "round0_time_fraction",
+               "prompt_tokens", "cached_tokens", "reused_tokens", "recomputed_tokens"]
+    return records, [("Machine idle before each N", report.markdown_table(idles, ["repeat", "num_agents",
+                                                                                   "cpu_busy_fraction", "idle"])),
+                     ("Prefill of the rounds with reuse (rounds 1 on), as fractions of stock radix's time and "
+                      "of a full prefill's token-layers", report.markdown_table(rows, columns))]
+
+
+def prefill_rows(modes: list[Mode], agents: list[int], results: dict[tuple[str, int], list[RunResult]],
+                 layers: int) -> list[dict]:
+    """Per mode and N: mean prefill time of the rounds after the first (which have reuse) and
+    of round 0 (none yet), both over radix's, and the work fraction of those rounds."""
+    def mean_prefill(name: str, n: int, later: bool) -> float:
+        times = [r.prefill for res in results[(name, n)] for r in res.rounds if (r.round > 0) == later]
+        return sum(times) / len(times)
+
+    rows = []
+    for n in agents:
+        base = "radix" if ("radix", n) in results else modes[0].name
+        for m in modes:
+            reqs = [q for res in results[(m.name, n)] for q in res.requests if q.round > 0]
+            options = m.blend_options()
+            full = sum((q.prompt_tokens - q.cached_tokens) * layers for q in reqs)
+            rows.append({
+                "mode": m.name, "num_agents": n,
+                "time_fraction": mean_prefill(m.name, n, True) / mean_prefill(base, n, True),
+                "work_fraction": sum(token_layers(q, options, layers) for q in reqs) / full,
+                "mean_prefill_s": mean_prefill(m.name, n, True),
+                "round0_time_fraction": mean_prefill(m.name, n, False) / mean_prefill(base, n, False),
+                "prompt_tokens": sum(q.prompt_tokens for q in reqs), "cached_tokens": sum(q.cached_tokens for q in reqs),
+                "reused_tokens": sum(q.reused_tokens for q in reqs),
+                "recomputed_tokens": sum(q.recomputed_tokens for q in reqs),
+            })
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     config = workload_config(args)
     systems = Systems(args)
     command = report.command_line("sglang_tokendance.bench_multiagent", argv)
-    records, sections = (capacity if args.capacity else compare)(args, systems, config)
+    records, sections = (prefill_sweep if args.prefill_only else capacity if args.capacity else compare)(
+        args, systems, config)
     meta = {"type": "meta", "command": command, "workload": asdict(config), "num_sessions": args.num_sessions,
             "request_rate": args.request_rate, "max_total_tokens": args.max_total_tokens}
     report.write_jsonl(args.output_file, [meta, *records])

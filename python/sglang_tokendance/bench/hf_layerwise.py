@@ -30,7 +30,11 @@ class HFLayerwise:
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.decoder.embed_tokens(ids)
 
-    def qkv(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor):
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """HF's cos/sin at `positions` ([1, n, d])."""
+        return self.decoder.rotary_emb(self.decoder.embed_tokens.weight, positions.unsqueeze(0))
+
+    def qkv(self, layer: int, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]):
         attn = self.decoder.layers[layer].self_attn
         x = self.decoder.layers[layer].input_layernorm(hidden)
         d = attn.head_dim
@@ -39,7 +43,7 @@ class HFLayerwise:
         v = attn.v_proj(x).view(x.shape[0], -1, d)
         if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before RoPE
             q, k = attn.q_norm(q), attn.k_norm(k)
-        cos, sin = self.decoder.rotary_emb(x, positions.unsqueeze(0))
+        cos, sin = rotary
         q, k = apply_rotary_pos_emb(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), cos, sin)
         return q[0].transpose(0, 1), k[0].transpose(0, 1), v
 

@@ -6,20 +6,30 @@ requests at once; the next round's shared blocks are this round's real outputs. 
 arrive at `--request-rate` per second. Per request we record TTFT, latency and token counts
 (from a streamed /generate), per round its latency split into prefill (until every agent has
 its first token) and decode, and the server's KV usage over time from /v1/loads.
+
+Prefill-only sessions (`prefill_only=True`) time just the prompts' prefill: every request asks
+for one token, and the next round's messages are stand-ins (`stand_in_messages`) that each
+author registers in an untimed "author prefill" of its own prompt followed by its message, so
+a TokenDance server caches each message with its KV computed after its author's prompt (as
+output registration would), and a stock server holds it in its radix tree (as after decoding).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable, ContextManager
 
 import aiohttp
 
-from sglang_tokendance.bench.workloads import Simulation, WorkloadConfig, make_simulation, message_block
+from sglang_tokendance.bench.workloads import (Simulation, WorkloadConfig, make_simulation, message_block,
+                                               stand_in_messages)
+from sglang_tokendance.core.blend import BlendOptions
+from sglang_tokendance.core.segments import DEFAULT_SEPARATOR
 
 CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=3600)
 
@@ -33,6 +43,18 @@ class Mode:
     server_args: tuple[str, ...] = ()
     marked: bool = False  # send separators (only a TokenDance server understands them)
 
+    def blend_options(self) -> BlendOptions | None:
+        """The blended prefill's options on this mode's server (None for stock SGLang)."""
+        if self.stock:
+            return None
+        import argparse
+
+        from sglang_tokendance.server_args import TokenDanceArgs
+
+        parser = argparse.ArgumentParser()
+        TokenDanceArgs.add_cli_args(parser)
+        return TokenDanceArgs.from_cli_args(parser.parse_known_args(list(self.server_args))[0]).blend_options()
+
 
 MODES: dict[str, Mode] = {
     "radix": Mode("radix", stock=True),
@@ -40,6 +62,8 @@ MODES: dict[str, Mode] = {
     "tokendance": Mode("tokendance", stock=False, marked=True),  # default blended prefill
     "tokendance-plain": Mode("tokendance-plain", stock=False, marked=True,  # plain reuse, no recompute
                              server_args=("--tokendance-recompute-ratio", "0")),
+    "tokendance-full": Mode("tokendance-full", stock=False, marked=True,  # blended path at ratio 1
+                            server_args=("--tokendance-recompute-ratio", "1")),
 }
 
 
@@ -55,6 +79,8 @@ class RequestRecord:
     completion_tokens: int
     reused_tokens: int
     text: str = field(repr=False)
+    recomputed_tokens: int = 0  # reused tokens the blended prefill computed again
+    computed_tokens: int = 0  # every prompt token the forward computed (0 on stock servers)
 
 
 @dataclass
@@ -128,35 +154,66 @@ async def stream_generate(http: aiohttp.ClientSession, url: str, body: dict) -> 
     return ttft, time.perf_counter() - start, last
 
 
-def request_body(sim: Simulation, mode: Mode, agent: int, round_index: int, blocks: list[str]) -> dict:
-    """Marked prompts for TokenDance, which also registers each output as next round's block."""
+def request_body(sim: Simulation, mode: Mode, agent: int, round_index: int, blocks: list[str],
+                 prefill_only: bool = False) -> dict:
+    """Marked prompts for TokenDance, which also registers each output as next round's block
+    (except in prefill-only sessions, whose next blocks are stand-ins)."""
     text = (sim.prompt_text if mode.marked else sim.plain_prompt)(agent, round_index, blocks)
-    body = {"text": text, "sampling_params": {"max_new_tokens": sim.config.max_new_tokens, "temperature": 0}}
-    if mode.marked:
+    max_new = 1 if prefill_only else sim.config.max_new_tokens
+    body = {"text": text, "sampling_params": {"max_new_tokens": max_new, "temperature": 0}}
+    if mode.marked and not prefill_only:
         body["tokendance"] = {"register_output": True}
     return body
 
 
+def author_body(sim: Simulation, mode: Mode, agent: int, round_index: int, blocks: list[str],
+                message: str) -> dict:
+    """The author's prompt as plain text (no reuse, so the forest caches the message after it:
+    it caches no segment that follows reused KV), then its next message as a shared block and a
+    private newline (so the message is not trailing private text); one token asked."""
+    pieces = [sim.plain_prompt(agent, round_index, blocks), message, "\n"]
+    text = (DEFAULT_SEPARATOR if mode.marked else "").join(pieces)
+    return {"text": text, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+
+
 async def run_session(http, url: str, mode: Mode, sim: Simulation, session: int, result: RunResult,
-                      progress) -> None:
+                      progress, prefill_only: bool = False,
+                      watch: Callable[[int], ContextManager] | None = None) -> None:
+    """One simulation's rounds; `watch(round_index)` wraps each timed round (e.g. a profiler)."""
     blocks = list(sim.seed_messages)
     for round_index in range(sim.config.num_rounds):
-        start = time.perf_counter()
-        bodies = [request_body(sim, mode, a, round_index, blocks) for a in range(len(sim.agents))]
-        outs = await asyncio.gather(*(stream_generate(http, url, b) for b in bodies))
-        latency = time.perf_counter() - start
+        bodies = [request_body(sim, mode, a, round_index, blocks, prefill_only) for a in range(len(sim.agents))]
+        with watch(round_index) if watch else contextlib.nullcontext():
+            start = time.perf_counter()
+            outs = await asyncio.gather(*(stream_generate(http, url, b) for b in bodies))
+            latency = time.perf_counter() - start
         prefill = max(ttft for ttft, _, _ in outs)
         result.rounds.append(RoundRecord(session, round_index, len(sim.agents), start, latency,
                                          prefill, latency - prefill))
         for agent, (ttft, req_latency, last) in enumerate(outs):
             meta = last["meta_info"]
-            reused = (meta.get("tokendance") or {}).get("reused_tokens", 0)
+            reuse = meta.get("tokendance") or {}
             result.requests.append(RequestRecord(
                 session, round_index, agent, ttft, req_latency, meta["prompt_tokens"],
-                meta.get("cached_tokens", 0), meta["completion_tokens"], reused, last["text"],
+                meta.get("cached_tokens", 0), meta["completion_tokens"], reuse.get("reused_tokens", 0),
+                last["text"], reuse.get("recomputed_tokens", 0), reuse.get("computed_tokens", 0),
             ))
-        blocks = [message_block(out[2]["text"]) for out in outs]
+        if prefill_only:
+            blocks = await register_stand_ins(http, url, mode, sim, round_index, blocks)
+        else:
+            blocks = [message_block(out[2]["text"]) for out in outs]
         progress.update(1)
+
+
+async def register_stand_ins(http, url: str, mode: Mode, sim: Simulation, round_index: int,
+                             blocks: list[str]) -> list[str]:
+    """Untimed author prefills of the next round's stand-in messages; returns them."""
+    if round_index + 1 == sim.config.num_rounds:
+        return blocks
+    messages = stand_in_messages(sim.config, round_index + 1)
+    bodies = [author_body(sim, mode, j, round_index, blocks, m) for j, m in enumerate(messages)]
+    await asyncio.gather(*(stream_generate(http, url, b) for b in bodies))
+    return messages
 
 
 async def poll_kv_usage(http, url: str, t0: float, samples: list, interval: float = 0.25) -> None:
@@ -171,7 +228,7 @@ async def poll_kv_usage(http, url: str, t0: float, samples: list, interval: floa
 
 
 async def run_load(url: str, mode: Mode, config: WorkloadConfig, num_sessions: int,
-                   request_rate: float, progress) -> RunResult:
+                   request_rate: float, progress, prefill_only: bool = False) -> RunResult:
     """`num_sessions` simulations (seeds seed, seed+1, ...) arriving at `request_rate`/s."""
     result = RunResult(mode.name, config.num_agents, request_rate)
     arrivals = random.Random(config.seed)
@@ -181,7 +238,7 @@ async def run_load(url: str, mode: Mode, config: WorkloadConfig, num_sessions: i
         tasks = []
         for s in range(num_sessions):
             sim = make_simulation(WorkloadConfig(**{**asdict(config), "seed": config.seed + s}))
-            tasks.append(asyncio.create_task(run_session(http, url, mode, sim, s, result, progress)))
+            tasks.append(asyncio.create_task(run_session(http, url, mode, sim, s, result, progress, prefill_only)))
             if request_rate != float("inf") and s + 1 < num_sessions:
                 await asyncio.sleep(arrivals.expovariate(request_rate))
         try:

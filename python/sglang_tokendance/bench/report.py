@@ -62,3 +62,30 @@ def plot_lines(path: Path, title: str, xlabel: str, ylabel: str,
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_fractions(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Prefill time fraction (solid) beside work fraction (dashed) against N, one colour per mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    for i, mode in enumerate(modes):
+        mine = [r for r in rows if r["mode"] == mode]
+        xs = [r["num_agents"] for r in mine]
+        ax.plot(xs, [r["time_fraction"] for r in mine], marker="o", color=f"C{i}", label=f"{mode}: time")
+        ax.plot(xs, [r["work_fraction"] for r in mine], marker="x", linestyle="--", color=f"C{i}",
+                label=f"{mode}: work")
+    ax.set_xticks(sorted({r["num_agents"] for r in rows}))
+    ax.set_title("Prefill of rounds with reuse, as a fraction of a full prefill")
+    ax.set_xlabel("agents per round (N)")
+    ax.set_ylabel("time / radix's (solid), token-layers / full (dashed)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="x-small", ncol=2)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

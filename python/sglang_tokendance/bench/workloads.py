@@ -163,6 +163,13 @@ def make_simulation(config: WorkloadConfig) -> Simulation:
     return Simulation(config, agents, seeds, context, style.instruction)
 
 
+def stand_in_messages(config: WorkloadConfig, round_index: int) -> list[str]:
+    """Messages standing in for the outputs that round `round_index` shares, in prefill-only
+    runs (nothing is generated): the seed messages of the same workload under another seed,
+    one per agent, of the same length."""
+    return make_simulation(dataclasses.replace(config, seed=config.seed + 7919 * round_index)).seed_messages
+
+
 def preset_config(preset: str, **overrides) -> WorkloadConfig:
     """A preset's default config with some fields replaced (e.g. from CLI flags)."""
     _check_preset(preset)

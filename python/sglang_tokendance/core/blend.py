@@ -4,22 +4,29 @@ An extend batch's tokens are either fresh (private text, missed segments, the la
 token: no KV yet) or reused (their segment's cached KV was rotated into their slots before the
 forward). With recompute ratio r > 0:
 
-1. probe: layers 0..c run on every token, writing their recomputed KV (a full prefill of
-   those layers; the reused tokens' cached KV is kept aside) -- optionally with a screen at
+1. probe: layers 0..c run on every token (a full prefill of those layers; the reused
+   tokens' recomputed KV is held aside, their cached KV stays in place) -- optionally with a screen at
    a shallower layer s, after which only the reused tokens the rule ranks best there (a few
    times r) run on to c;
 2. check: a selection rule (core/selection.py) scores the reused tokens at layer c and the
    top r of them (per request) are kept for recompute;
 3. layers c+1..L-1 run on the fresh and kept tokens only; the others keep their cached KV.
 
-With sparse write-back (default) the tokens not kept get their cached KV back at layers 0..c
-too, so a request's KV differs from the cached segments only at kept tokens -- what a compact
-Master-Mirror diff needs. The fresh and kept tokens carry on from their probe states.
-r = 1 is a full prefill; r = 0 recomputes nothing, not even the probe: only fresh tokens run,
-attending to the cached KV at every layer.
+With sparse write-back (default) the tokens not kept keep their cached KV at layers 0..c too
+(only the kept ones' probe KV is written), so a request's KV differs from the cached segments
+only at kept tokens -- what a compact Master-Mirror diff needs; dense write-back writes every
+probed token's. The fresh and kept tokens carry on from their probe states.
+r = 1 is a full prefill (run as one: every token is kept whatever the scores); r = 0
+recomputes nothing, not even the probe: only fresh tokens run, attending to the cached KV at
+every layer.
 
-Attention is causal by absolute position over each request's whole KV row
-(core/attention.position_masked_attention), so any subset of tokens can be computed.
+Attention is causal by absolute position over each request's whole KV row, batched over the
+batch (core/attention.py), so any subset of tokens can be computed. The work is organised in
+stages -- sets of computed tokens that several layers share (the probe before and after the
+screen, the layers after the check) -- whose indices, position encodings and attention
+layouts are built once. The probe never overwrites the reused tokens' cached KV: their
+recomputed KV goes to attention as an overlay (scratch) and reaches the pool only where it is
+kept; the attention mass a rule needs comes from the check layer's own attention pass.
 The model and the KV storage come in through two small protocols, so the same code runs
 inside SGLang (srt/model.py) and in the quality harness (bench/).
 """
@@ -28,11 +35,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol, Sequence
+from typing import Any, NamedTuple, Protocol, Sequence
 
 import torch
 
-from sglang_tokendance.core.attention import attention_received, position_masked_attention
+from sglang_tokendance.core.attention import Grid, attend, plan_grids
 from sglang_tokendance.core.selection import CheckState, ReusedSegment, SelectionRule, select_kept
 
 
@@ -43,9 +50,13 @@ class LayerwiseModel(Protocol):
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor: ...
 
-    def qkv(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor
+    def rotary(self, positions: torch.Tensor) -> Any:
+        """The position encoding (cos/sin) of tokens at `positions`: built once per stage and
+        handed to every layer's `qkv`."""
+
+    def qkv(self, layer: int, hidden: torch.Tensor, rotary: Any
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [n, heads, d] and k, v [n, kv_heads, d], K rotated at `positions`."""
+        """q [n, heads, d] and k, v [n, kv_heads, d], q and K rotated by `rotary`."""
 
     def attention_scale(self, layer: int) -> float: ...
 
@@ -125,15 +136,26 @@ def blended_prefill(model: LayerwiseModel, kv: KVStore, ids: torch.Tensor, posit
         return _run_layers(model, kv, batch, model.embed(ids[computed]), computed, 0, batch.stats)
     if rule is None:
         raise ValueError("a recompute ratio above 0 needs a selection rule")
+    if _keeps_everything(options):  # no rule can change the outcome: a full prefill
+        kept = torch.ones(batch.stats.reused_tokens, dtype=torch.bool, device=ids.device)
+        stats = dataclasses.replace(batch.stats, kept=kept, kept_tokens=batch.stats.reused_tokens)
+        return _run_layers(model, kv, batch, model.embed(ids), torch.ones_like(batch.reused), 0, stats)
     checked = probe(model, kv, ids, positions, requests, rule, options)
     return finish(model, kv, checked, select(checked, rule, options), options)
+
+
+def _keeps_everything(options: BlendOptions) -> bool:
+    """Ratio 1 keeps every reused token whatever the scores (unless a screen passes fewer)."""
+    screen_share = min(1.0, options.screen_factor * options.recompute_ratio) if options.screened else 1.0
+    return options.recompute_ratio >= 1.0 and screen_share >= 1.0
 
 
 @dataclass
 class Probe:
     """The state after the probe layers (shareable by several selections): hidden states of
     the batch tokens `rows`, and the CheckState of the reused tokens still tracked (`tracked`:
-    a mask over all reused tokens; all of them unless a screen dropped some)."""
+    a mask over all reused tokens; all of them unless a screen dropped some). The tracked
+    tokens' recomputed KV is in the CheckState only: the KV store still holds their cached KV."""
 
     batch: "_Batch"
     check_layer: int
@@ -149,13 +171,14 @@ class Probe:
 
 def probe(model: LayerwiseModel, kv: KVStore, ids: torch.Tensor, positions: torch.Tensor,
           requests: Sequence[RequestRow], rule: SelectionRule, options: BlendOptions) -> Probe:
-    """Layers 0..c on every token, recomputed KV written; the reused tokens' cached KV of
-    those layers is kept in the CheckState (for scoring and sparse write-back).
+    """Layers 0..c on every token: the fresh tokens' KV written, the reused tokens' recomputed
+    KV kept next to their cached KV in the CheckState (for scoring, and for `finish` to write
+    where it is kept).
 
     With a screen (1 <= options.screen_layer = s < c), `rule` first scores the reused tokens
     at layer s and only the best min(1, screen_factor x recompute_ratio) of each request's go
-    on through layers s+1..c with the fresh tokens (the others get their cached KV back at
-    layers 0..s under sparse write-back): a deep check at little more than a shallow one's cost."""
+    on through layers s+1..c with the fresh tokens: a deep check at little more than a
+    shallow one's cost."""
     c, s = options.check_layer, options.screen_layer if options.screened else 0
     if not 1 <= c < model.num_layers:
         raise ValueError(f"check layer must be in [1, {model.num_layers - 1}], got {c}")
@@ -174,40 +197,42 @@ def probe(model: LayerwiseModel, kv: KVStore, ids: torch.Tensor, positions: torc
 
 
 def _probe_layers(model, kv, checked: Probe, layers: range, with_attention: bool) -> None:
+    """`layers` on the probe's tokens (one stage); the reused ones are all tracked and their KV
+    is scratch; with `with_attention`, the last layer's attention also yields the mass the
+    fresh tokens pay them."""
     batch, state = checked.batch, checked.state
-    tracked = batch.reused.clone()
-    tracked[batch.reused] = checked.tracked  # batch mask of the tracked reused tokens
-    in_rows = tracked[checked.rows]
+    stage = _Stage(model, batch, checked.rows, scratch=batch.reused[checked.rows], mass=with_attention)
     for layer in layers:
-        state.cached_k.append(kv.keys(layer)[batch.locs[tracked]])  # indexing copies
-        state.cached_v.append(kv.values(layer)[batch.locs[tracked]])
-        attention_from = tracked if with_attention and layer == layers[-1] else None
-        checked.hidden, k, v = _layer(model, kv, batch, layer, checked.hidden, checked.rows, attention_from, state)
-        state.computed_k.append(k[in_rows])
-        state.computed_v.append(v[in_rows])
+        state.cached_k.append(kv.keys(layer)[stage.scratch_locs])  # indexing copies
+        state.cached_v.append(kv.values(layer)[stage.scratch_locs])
+        mass = stage.new_mass() if with_attention and layer == layers[-1] else None
+        checked.hidden, k, v = _layer(model, kv, stage, layer, checked.hidden, mass)
+        state.computed_k.append(k[stage.scratch_tokens])
+        state.computed_v.append(v[stage.scratch_tokens])
+        if mass is not None:
+            state.attention_received = mass
     batch.stats.token_layers += checked.rows.numel() * len(layers)
 
 
-def _restore_cached(kv, checked: Probe, drop: torch.Tensor, layers: range) -> None:
-    """Sparse write-back: the tracked reused tokens `drop` (a mask over the tracked ones) get
-    their cached KV back at `layers`."""
-    rows = checked.tracked_rows()[drop]
+def _write_probe_kv(kv, checked: Probe, which: torch.Tensor, layers: range) -> None:
+    """The tracked reused tokens `which` (a mask over the tracked ones) get their recomputed
+    KV of `layers` into the store."""
+    locs = checked.batch.locs[checked.tracked_rows()[which]]
     for layer in layers:
-        kv.write(layer, checked.batch.locs[rows], checked.state.cached_k[layer][drop],
-                 checked.state.cached_v[layer][drop])
+        kv.write(layer, locs, checked.state.computed_k[layer][which], checked.state.computed_v[layer][which])
 
 
 def _drop_tracked(kv, checked: Probe, drop: torch.Tensor, sparse_writeback: bool) -> None:
-    """Stop tracking the tracked reused tokens `drop` (a mask over the tracked ones)."""
+    """Stop tracking the tracked reused tokens `drop` (a mask over the tracked ones); they keep
+    their cached KV, or under dense write-back the probe's."""
     state = checked.state
-    if sparse_writeback:
-        _restore_cached(kv, checked, drop, range(len(state.cached_k)))
+    if not sparse_writeback:
+        _write_probe_kv(kv, checked, drop, range(len(state.cached_k)))
     dropped_rows = checked.tracked_rows()[drop]
     keep = ~drop
     for arrays in (state.cached_k, state.cached_v, state.computed_k, state.computed_v):
         arrays[:] = [a[keep] for a in arrays]
-    still = torch.ones(checked.rows.numel(), dtype=torch.bool, device=drop.device)
-    still[torch.isin(checked.rows, dropped_rows)] = False
+    still = ~torch.isin(checked.rows, dropped_rows)
     checked.rows, checked.hidden = checked.rows[still], checked.hidden[still]
     tracked = checked.tracked.clone()
     tracked[checked.tracked] = keep
@@ -225,10 +250,11 @@ def select(checked: Probe, rule: SelectionRule, options: BlendOptions) -> torch.
 
 def finish(model: LayerwiseModel, kv: KVStore, checked: Probe, kept: torch.Tensor,
            options: BlendOptions) -> tuple[torch.Tensor, BlendStats]:
-    """Layers c+1..L-1 on the fresh and kept tokens (after sparse write-back, if on)."""
+    """The kept tokens' probe KV written (under dense write-back every tracked token's), then
+    layers c+1..L-1 on the fresh and kept tokens. Leaves `checked` as it was."""
     batch, c = checked.batch, checked.check_layer
-    if options.sparse_writeback:
-        _restore_cached(kv, checked, (checked.tracked & ~kept)[checked.tracked], range(c + 1))
+    written = kept if options.sparse_writeback else checked.tracked
+    _write_probe_kv(kv, checked, written[checked.tracked], range(c + 1))
     computed = ~batch.reused
     computed[batch.reused] = kept
     where = torch.full((computed.numel(),), -1, dtype=torch.int64, device=computed.device)
@@ -239,54 +265,72 @@ def finish(model: LayerwiseModel, kv: KVStore, checked: Probe, kept: torch.Tenso
 
 def _run_layers(model, kv, batch: "_Batch", hidden, computed: torch.Tensor, first_layer: int,
                 stats: BlendStats) -> tuple[torch.Tensor, BlendStats]:
-    rows = computed.nonzero().squeeze(1)
+    """Layers first_layer..L-1 on the tokens `computed` (one stage, KV written), final norm."""
+    stage = _Stage(model, batch, computed.nonzero().squeeze(1))
     for layer in range(first_layer, model.num_layers):
-        hidden, _, _ = _layer(model, kv, batch, layer, hidden, rows)
+        hidden, _, _ = _layer(model, kv, stage, layer, hidden)
     stats = dataclasses.replace(stats, full_token_layers=computed.numel() * model.num_layers,
-                                token_layers=stats.token_layers + rows.numel() * (model.num_layers - first_layer))
+                                token_layers=stats.token_layers + stage.rows.numel() * (model.num_layers - first_layer))
     out = hidden.new_zeros(computed.numel(), hidden.shape[1])
-    out[rows] = model.final_norm(hidden)
+    out[stage.rows] = model.final_norm(hidden)
     return out, stats
 
 
-def _layer(model, kv, batch: "_Batch", layer, hidden, rows, received=None, state=None):
-    """One layer for the tokens `rows` (batch indices): write their KV, attend by position.
-    With `received` (the reused mask), also store in `state` the attention mass the fresh
-    queries pay each reused token."""
-    pos = batch.positions[rows]
-    q, k, v = model.qkv(layer, hidden, pos)
-    kv.write(layer, batch.locs[rows], k, v)
+def _layer(model, kv, stage: "_Stage", layer: int, hidden: torch.Tensor, mass: torch.Tensor | None = None):
+    """One layer for the stage's tokens: the KV of those not scratch written, one batched
+    attention per grid (the scratch tokens' KV overlaid), `mass` filled when given."""
+    q, k, v = model.qkv(layer, hidden, stage.rotary)
+    if stage.final is None:
+        kv.write(layer, stage.locs, k, v)
+    else:
+        kv.write(layer, stage.final_locs, k[stage.final], v[stage.final])
     keys, values, scale = kv.keys(layer), kv.values(layer), model.attention_scale(layer)
-    out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
-    mass = []
-    for local, r, start in batch.views(rows):
-        seq_len = r.prefix_len + r.num_tokens
-        slots, kv_pos = r.slots[:seq_len].to(torch.int64), torch.arange(seq_len, device=rows.device)
-        out[local] = position_masked_attention(q[local], keys[slots], values[slots], pos[local], kv_pos, scale)
-        if received is not None:
-            fresh_q = local[~received[rows[local]]]
-            got = attention_received(q[fresh_q], keys[slots], pos[fresh_q], kv_pos, scale)
-            mass.append(got[r.prefix_len:][received[start:start + r.num_tokens]])
-    if received is not None:
-        state.attention_received = torch.cat(mass)
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+    for grid in stage.grids:
+        out[grid.tokens] = attend(grid, q, k, v, keys, values, scale, mass_out=mass)
     return model.finish_layer(layer, hidden, out.flatten(1)), k, v
 
 
+class _Stage:
+    """A set of computed tokens (batch indices `rows`) shared by consecutive layers, with what
+    every one of those layers would otherwise rebuild: pool slots, position encoding,
+    attention grids. `scratch` (a mask over the rows) marks tokens whose KV must not reach the
+    pool (attention reads it from an overlay); with `mass`, the grids also plan the attention
+    mass the other tokens pay them."""
+
+    def __init__(self, model, batch: "_Batch", rows: torch.Tensor, scratch: torch.Tensor | None = None,
+                 mass: bool = False):
+        self.rows = rows
+        self.locs = batch.locs[rows]
+        self.rotary = model.rotary(batch.positions[rows])
+        scratch = torch.zeros_like(rows, dtype=torch.bool) if scratch is None else scratch
+        self.scratch_tokens = scratch.nonzero().squeeze(1)
+        self.scratch_locs = self.locs[self.scratch_tokens]
+        self.final = (~scratch).nonzero().squeeze(1) if self.scratch_tokens.numel() else None  # None: all
+        self.final_locs = None if self.final is None else self.locs[self.final]
+        self.grids: list[Grid] = plan_grids(batch.request[rows], batch.positions[rows], batch.kv_rows,
+                                            overlay=scratch, mass=mass)
+
+    def new_mass(self) -> torch.Tensor:
+        return torch.zeros(self.scratch_tokens.numel(), device=self.rows.device)
+
+
 class _Batch:
-    """Index bookkeeping of a flattened extend batch."""
+    """Index bookkeeping of a flattened extend batch, built once."""
 
     def __init__(self, requests: Sequence[RequestRow], positions: torch.Tensor, ids: torch.Tensor):
         self.requests = list(requests)
         self.positions = positions
-        self.starts = []
-        start = 0
-        for r in self.requests:
-            self.starts.append(start)
-            start += r.num_tokens
-        if start != ids.shape[0]:
-            raise ValueError(f"the requests hold {start} extend tokens but {ids.shape[0]} ids were given")
-        self.locs = torch.cat([r.slots[r.prefix_len:r.prefix_len + r.num_tokens] for r in self.requests]).to(torch.int64)
-        self.reused = torch.zeros(start, dtype=torch.bool, device=ids.device)
+        counts = [r.num_tokens for r in self.requests]
+        self.starts = [sum(counts[:i]) for i in range(len(counts))]
+        if sum(counts) != ids.shape[0]:
+            raise ValueError(f"the requests hold {sum(counts)} extend tokens but {ids.shape[0]} ids were given")
+        device = ids.device
+        self.request = torch.repeat_interleave(torch.arange(len(counts), device=device),
+                                               torch.tensor(counts, device=device))
+        self.kv_rows = [r.slots[:r.prefix_len + r.num_tokens].to(torch.int64) for r in self.requests]
+        self.locs = torch.cat([row[r.prefix_len:] for row, r in zip(self.kv_rows, self.requests)])
+        self.reused = torch.zeros(ids.shape[0], dtype=torch.bool, device=device)
         self.runs = [[ReusedRun(*run) for run in r.reused] for r in self.requests]
         for first, runs in zip(self.starts, self.runs):
             for run in runs:
@@ -296,11 +340,3 @@ class _Batch:
     def reused_segments(self) -> list[list[ReusedSegment]]:
         return [[ReusedSegment(start + run.start, start + run.end, run.segment_offset) for run in runs]
                 for start, runs in zip(self.starts, self.runs)]
-
-    def views(self, rows: torch.Tensor):
-        """Per request with tokens among `rows`: (their indices into rows, the request, its
-        first batch index)."""
-        for start, r in zip(self.starts, self.requests):
-            local = ((rows >= start) & (rows < start + r.num_tokens)).nonzero().squeeze(1)
-            if local.numel():
-                yield local, r, start

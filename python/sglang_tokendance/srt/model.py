@@ -10,10 +10,12 @@ always computed).
 Supported: SGLang's LlamaModel (Llama, SmolLM2, Mistral), Qwen2Model and Qwen3Model, whose
 layers share one shape: input_layernorm, self_attn (qkv_proj, rotary_emb, optional per-head
 q/k norm, o_proj, RadixAttention), post_attention_layernorm, mlp. Torch attention on the
-CPU; a GPU attention path plugs in at core/attention.position_masked_attention.
+CPU (core/attention.py); a GPU attention path plugs in at core/attention.attend.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -23,6 +25,13 @@ FORWARD_HOOK_TARGETS = (  # the decoder forwards the AROUND hook wraps
     "sglang.srt.models.qwen2.Qwen2Model.forward",
     "sglang.srt.models.qwen3.Qwen3Model.forward",
 )
+
+
+class Rotary(NamedTuple):
+    """Tokens' positions and their rows of SGLang's cos/sin cache, gathered once per stage."""
+
+    positions: torch.Tensor
+    cos_sin: torch.Tensor
 
 
 class SGLangLayers:
@@ -37,16 +46,25 @@ class SGLangLayers:
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(ids)
 
-    def qkv(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor):
+    def rotary(self, positions: torch.Tensor) -> Rotary:
+        cache = self.layers[0].self_attn.rotary_emb.cos_sin_cache
+        return Rotary(positions, cache.index_select(0, positions))
+
+    def qkv(self, layer: int, hidden: torch.Tensor, rotary: Rotary):
         block = self.layers[layer]
         attn, radix = block.self_attn, block.self_attn.attn
         x = block.input_layernorm(hidden)
-        if hasattr(attn, "forward_prepare_native"):  # Llama, Qwen3 (per-head q/k norm inside)
-            q, k, v = attn.forward_prepare_native(positions, x)
-        else:  # Qwen2
-            qkv, _ = attn.qkv_proj(x)
-            q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-            q, k = attn.rotary_emb(positions, q, k)
+        # SGLang's native rotary reads a precomputed cos/sin table from `sin_cos_cache` when set
+        attn.rotary_emb.sin_cos_cache = rotary.cos_sin
+        try:
+            if hasattr(attn, "forward_prepare_native"):  # Llama, Qwen3 (per-head q/k norm inside)
+                q, k, v = attn.forward_prepare_native(rotary.positions, x)
+            else:  # Qwen2
+                qkv, _ = attn.qkv_proj(x)
+                q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+                q, k = attn.rotary_emb(rotary.positions, q, k)
+        finally:
+            del attn.rotary_emb.sin_cos_cache
         return (q.reshape(-1, radix.tp_q_head_num, radix.qk_head_dim),
                 k.reshape(-1, radix.tp_k_head_num, radix.qk_head_dim),
                 v.reshape(-1, radix.tp_v_head_num, radix.v_head_dim))

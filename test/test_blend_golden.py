@@ -1,0 +1,111 @@
+"""The blended prefill's outputs are pinned: a mixed batch on two tiny families, at ratio 0,
+ratio 1 and several selections, must give the hidden states, kept masks, work counts and
+final KV that the first implementation gave (test/data/blend_golden.pt, written by commit
+19e66e1's core/blend with `python test/test_blend_golden.py --write`). Rewrites of the
+blended prefill's internals (batched attention, scratch KV, one-pass attention mass) must
+not change what it computes."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sglang_tokendance.bench.hf_layerwise import DenseKV, HFLayerwise, full_prefill
+from sglang_tokendance.core.blend import BlendOptions, ReusedRun, RequestRow, blended_prefill
+from sglang_tokendance.core.selection import rule_named
+from sglang_tokendance.tiny_models import tiny_config
+
+GOLDEN = Path(__file__).parent / "data" / "blend_golden.pt"
+FAMILIES = ("llama", "qwen3")  # the blend is family-agnostic; Qwen3 adds per-head q/k norms
+
+# (prefix_len, num_tokens, reused runs): a request with a radix prefix and a run starting
+# inside its segment, one without hits, one with a single run
+REQUESTS = [(5, 35, [ReusedRun(4, 20, 0), ReusedRun(22, 30, 3)]), (0, 25, []), (0, 40, [ReusedRun(10, 28)])]
+
+SCENARIOS = {
+    "plain": (BlendOptions(recompute_ratio=0.0), None),
+    "ratio-one": (BlendOptions(recompute_ratio=1.0, check_layer=2, screen_layer=1), "attention-kv"),
+    "default": (BlendOptions(recompute_ratio=0.3, check_layer=2, screen_layer=1), "attention-kv"),
+    "unscreened-dense": (BlendOptions(recompute_ratio=0.3, check_layer=3, sparse_writeback=False), "attention-kv"),
+    "blocks": (BlendOptions(recompute_ratio=0.5, check_layer=1, granularity="block", block_size=4,
+                            block_head_tokens=2), "cacheblend-k"),
+    "screened-dense": (BlendOptions(recompute_ratio=0.3, check_layer=3, screen_layer=1, sparse_writeback=False),
+                       "cacheblend-kv"),
+}
+
+
+def tiny(arch: str) -> HFLayerwise:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = tiny_config(arch)
+    config.vocab_size = 512
+    return HFLayerwise(AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval())
+
+
+def batch(model: HFLayerwise) -> tuple[torch.Tensor, torch.Tensor, list[RequestRow], DenseKV]:
+    """The mixed batch: ids, positions, rows (slots scattered over a shared pool) and a pool
+    holding each prefix's exact KV and each reused run's KV from another context."""
+    gen = torch.Generator().manual_seed(7)
+    total = sum(p + n for p, n, _ in REQUESTS)
+    order = torch.randperm(total, generator=gen)
+    kv = DenseKV(model.num_layers, total, *model.kv_shape())
+    ids, positions, rows, used = [], [], [], 0
+    for prefix, n, runs in REQUESTS:
+        seq = torch.randint(3, 512, (prefix + n,), generator=gen)
+        other = torch.randint(3, 512, (prefix + n,), generator=gen)
+        slots = order[used:used + prefix + n]
+        used += prefix + n
+        _, exact = full_prefill(model, seq)
+        _, elsewhere = full_prefill(model, torch.where(torch.rand(prefix + n, generator=gen) < 0.5, other, seq))
+        reused = torch.zeros(prefix + n, dtype=torch.bool)
+        for run in runs:
+            reused[prefix + run.start:prefix + run.end] = True
+        for layer in range(model.num_layers):
+            source = torch.where(reused[:, None, None], elsewhere.keys(layer), exact.keys(layer))
+            kv.write(layer, slots[:prefix], exact.keys(layer)[:prefix], exact.values(layer)[:prefix])
+            kv.write(layer, slots[reused], source[reused],
+                     torch.where(reused[:, None, None], elsewhere.values(layer), exact.values(layer))[reused])
+        ids.append(seq[prefix:])
+        positions.append(torch.arange(prefix, prefix + n))
+        rows.append(RequestRow(prefix, n, slots, reused=runs))
+    return torch.cat(ids), torch.cat(positions), rows, kv
+
+
+@torch.no_grad()
+def outputs(arch: str) -> dict[str, dict[str, torch.Tensor]]:
+    model = tiny(arch)
+    ids, positions, rows, pool = batch(model)
+    got = {}
+    for name, (options, rule) in SCENARIOS.items():
+        kv = pool.clone()
+        hidden, stats = blended_prefill(model, kv, ids, positions, rows, options, rule and rule_named(rule))
+        got[name] = {"hidden": hidden, "k": kv.k, "v": kv.v,
+                     "kept": stats.kept if stats.kept is not None else torch.zeros(0, dtype=torch.bool),
+                     "work": torch.tensor([stats.token_layers, stats.full_token_layers, stats.reused_tokens,
+                                           stats.kept_tokens])}
+    return got
+
+
+@pytest.fixture(scope="module")
+def golden():
+    return torch.load(GOLDEN)
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_outputs_match_the_first_implementation(arch, golden):
+    got = outputs(arch)
+    for name, want in golden[arch].items():
+        assert torch.equal(got[name]["kept"], want["kept"]), name
+        assert torch.equal(got[name]["work"], want["work"]), name
+        for key in ("hidden", "k", "v"):
+            torch.testing.assert_close(got[name][key], want[key], atol=2e-5, rtol=2e-5, msg=f"{name} {key}")
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
+    GOLDEN.parent.mkdir(exist_ok=True)
+    torch.save({arch: outputs(arch) for arch in FAMILIES}, GOLDEN)
+    print(f"wrote {GOLDEN}")
