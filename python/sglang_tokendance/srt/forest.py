@@ -126,12 +126,17 @@ class SegmentForest(RadixCache):
 
     def _cache_segment(self, key, ids, row: torch.Tensor, start: int, length: int) -> None:
         """Copy row positions [start, start + length) -- the KV of `ids` -- into new segment
-        slots under `key` (a duplicate is only counted; with no free slot nothing is cached:
-        a segment copy never evicts live prefixes)."""
+        slots under `key`. A duplicate is only counted. A full pool makes room the way a tree
+        insert would find it: by evicting what the eviction policy ranks first (never a live
+        request's KV: its prefix is locked and its own slots are not evictable); when even
+        that is not enough, the segment is not cached."""
         if key in self.segments:
             self.segments.count_duplicate(key)
             return
-        slots = self.token_to_kv_pool_allocator.alloc(length) if length > 0 else None
+        allocator = self.token_to_kv_pool_allocator
+        if 0 < length and allocator.available_size() < length:
+            self.evict(EvictParams(num_tokens=length - allocator.available_size()))
+        slots = allocator.alloc(length) if length > 0 else None
         if slots is None:
             return
         positions = torch.arange(start, start + length, device=row.device)

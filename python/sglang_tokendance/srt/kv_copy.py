@@ -3,8 +3,9 @@
 Segments are stored with K un-rotated (one canonical form per content hash, whatever
 offset the first copy came from): caching a segment copies request slots -> segment slots
 through `unrotate`, restoring one copies segment slots -> request slots through `rotate` at
-the reading request's positions. Callers gather every run of a batch into one call, so the
-copy costs one gather/scatter per layer however many spans the batch holds.
+the reading request's positions. Callers gather every run of a batch into one call, and the
+K of all layers is transformed in one rotation (one cos/sin table for the call), so a copy
+costs one gather/scatter per layer and one rotation however many spans and layers it moves.
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ def copy_kv(pool, src: torch.Tensor, dst: torch.Tensor, positions: torch.Tensor,
     passes through `k_transform(k, positions, rope)` (rotate or unrotate at `positions`)."""
     if src.numel() == 0:
         return
-    for layer in range(pool.start_layer, pool.start_layer + pool.layer_num):
+    layers = range(pool.start_layer, pool.start_layer + pool.layer_num)
+    keys = k_transform(torch.stack([pool.get_key_buffer(layer)[src] for layer in layers], dim=1), positions, rope)
+    for i, layer in enumerate(layers):  # keys: [tokens, layers, kv_heads, head_dim]
         k, v = pool.get_key_buffer(layer), pool.get_value_buffer(layer)
-        k[dst] = k_transform(k[src], positions, rope).to(k.dtype)
+        k[dst] = keys[:, i].to(k.dtype)
         v[dst] = v[src]
 
 
