@@ -93,17 +93,18 @@ def test_labels_flags_and_cases():
     assert Workload.parse(Workload(4, 60, 128).label) == Workload(4, 60, 128)
     with pytest.raises(ValueError, match="bad workload"):
         Workload.parse("agents=4")
-    argv = server_argv(DEFAULT, CONFIG.options, 128, "/m")
+    argv = server_argv(DEFAULT, replace(CONFIG, model_path="/m"), 128)
     flags = dict(zip(argv[::2], argv[1::2]))
     assert flags["--model-path"] == "/m" and flags["--chunked-prefill-size"] == "128"
+    assert flags["--max-total-tokens"] == str(CONFIG.max_total_tokens)
     assert (flags["--tokendance-selection"], flags["--tokendance-recompute-ratio"], flags["--tokendance-check-layer"],
             flags["--tokendance-screen-layer"]) == ("attention-kv", "0.3", "2", "1")
-    assert server_argv(None, CONFIG.options, 0, None) == ["--disable-tokendance"]
-    plain = server_argv(Setting(PLAIN), replace(CONFIG.options, sparse_writeback=False), 0, None)
-    assert plain[:2] == ["--tokendance-recompute-ratio", "0.0"] and "--tokendance-selection" not in plain
+    assert server_argv(None, CONFIG, 0)[2:] == ["--disable-tokendance"]
+    plain = server_argv(Setting(PLAIN), replace(CONFIG, options=replace(CONFIG.options, sparse_writeback=False)), 0)
+    assert plain[2:4] == ["--tokendance-recompute-ratio", "0.0"] and "--tokendance-selection" not in plain
     assert plain[-1] == "--no-tokendance-sparse-writeback"
     with pytest.raises(ValueError):
-        server_argv(Setting(FULL), CONFIG.options, 0, None)
+        server_argv(Setting(FULL), CONFIG, 0)
     cases = replace(CONFIG, workloads=(Workload(2, 25), Workload(3, 20)), chunked_prefill=64).cases()
     assert len(cases) == 2 * 2 + 2 and cases[-2:] == [(DEFAULT, Workload(2, 25, 64)), (DEFAULT, Workload(3, 20, 64))]
 

@@ -124,6 +124,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="also run the workloads with both servers at this --chunked-prefill-size, at the "
                              "first server setting (0: not)")
     server.add_argument("--top-logprobs", type=int, default=20, help="K of the top-K truncated KL")
+    server.add_argument("--server-max-total-tokens", type=int, default=8192,
+                        help="--max-total-tokens of each started server (the prompts are short; keeps memory low)")
     args = p.parse_args(argv)
     if not 1 <= args.decode_steps <= 64:
         p.error(f"--decode-steps must be in [1, 64], got {args.decode_steps}")
@@ -158,7 +160,8 @@ def server_config_from(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(settings=args.server_settings, workloads=args.server_workloads,
                         chunked_prefill=args.chunked_prefill_size, prompts_per_n=args.prompts_per_n,
                         decode_steps=args.decode_steps, top_k=args.top_logprobs, options=blend_options(args),
-                        history_words=args.history_words, seed=args.seed, model_path=args.model_path)
+                        history_words=args.history_words, seed=args.seed, model_path=args.model_path,
+                        max_total_tokens=args.server_max_total_tokens)
 
 
 def main(argv: list[str] | None = None) -> None:

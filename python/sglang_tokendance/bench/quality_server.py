@@ -73,6 +73,7 @@ class ServerConfig:
     history_words: int = 150
     seed: int = 0
     model_path: str | None = None
+    max_total_tokens: int = 8192  # each server's KV budget: the prompts are short, the machine may be shared
 
     def cases(self) -> list[tuple[Setting, Workload]]:
         """Every setting on every workload, then the first setting on the chunked workloads."""
@@ -191,10 +192,11 @@ def post(url: str, body: dict) -> dict:
     return r.json()
 
 
-def server_argv(setting: Setting | None, options: BlendOptions, chunked_prefill: int,
-                model_path: str | None) -> list[str]:
+def server_argv(setting: Setting | None, config: ServerConfig, chunked_prefill: int) -> list[str]:
     """Launcher flags: a TokenDance server at `setting`, or None: --disable-tokendance."""
-    argv = ["--model-path", model_path] if model_path else []
+    options = config.options
+    argv = ["--model-path", config.model_path] if config.model_path else []
+    argv += ["--max-total-tokens", str(config.max_total_tokens)]
     if chunked_prefill:
         argv += ["--chunked-prefill-size", str(chunked_prefill)]
     if setting is None:
@@ -300,13 +302,12 @@ def run(config: ServerConfig, runner: QualityRunner) -> list[ServerSample]:
     reference: dict[tuple[str, int], ServerOutput] = {}
     for chunk in sorted({w.chunked_prefill for w in workloads}):
         group = [p for w, p in workloads.items() if w.chunked_prefill == chunk]
-        reference |= serve(server_argv(None, config.options, chunk, config.model_path), group, config, False,
-                           f"full chunk={chunk}")
+        reference |= serve(server_argv(None, config, chunk), group, config, False, f"full chunk={chunk}")
     blended: dict[tuple[str, str, int], ServerOutput] = {}
     for setting in config.settings:
         for chunk in sorted({w.chunked_prefill for s, w in config.cases() if s == setting}):
             group = [workloads[w] for s, w in config.cases() if s == setting and w.chunked_prefill == chunk]
-            argv = server_argv(setting, config.options, chunk, config.model_path)
+            argv = server_argv(setting, config, chunk)
             for (label, i), out in serve(argv, group, config, True, f"{setting.label} chunk={chunk}").items():
                 blended[setting.label, label, i] = out
     return compare_all(config, runner, workloads, reference, blended)
