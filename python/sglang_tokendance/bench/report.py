@@ -64,27 +64,38 @@ def plot_lines(path: Path, title: str, xlabel: str, ylabel: str,
 
 
 def plot_panels(path: Path, title: str, panels: list[Panel]) -> None:
-    """Panels side by side (sharing nothing but the figure title)."""
+    """Panels side by side. A series keeps its colour in every panel (tab20 beyond 10 series);
+    several panels share one legend below them."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    names = list(dict.fromkeys(name for panel in panels for name in panel.series))
+    palette = plt.get_cmap("tab10" if len(names) <= 10 else "tab20").colors
+    colors = {name: palette[i % len(palette)] for i, name in enumerate(names)}
+    shared = len(panels) > 1
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
     for ax, panel in zip(axes[0], panels):
-        _draw(ax, panel)
+        _draw(ax, panel, colors)
+        if not shared:
+            ax.legend(fontsize="small")
+    if shared:
+        handles = {label: h for ax in axes[0] for h, label in zip(*ax.get_legend_handles_labels())}
+        fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=min(4, len(handles)),
+                   fontsize="small", frameon=False)
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06 * -(-len(names) // 4) if shared else 0, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def _draw(ax, panel: Panel) -> None:
+def _draw(ax, panel: Panel, colors: dict) -> None:
     style = {"marker": "o", "markersize": 3} if panel.lines else {"marker": "o", "linestyle": ""}
     for name, (xs, ys) in panel.series.items():
-        ax.plot(xs, ys, label=name, **style)
+        ax.plot(xs, ys, label=name, color=colors[name], **style)
     if panel.hline is not None:
         ax.axhline(panel.hline, linestyle="--", color="gray", label=panel.hline_label)
     if panel.diagonal:
@@ -100,4 +111,3 @@ def _draw(ax, panel: Panel) -> None:
     ax.set_xlabel(panel.xlabel)
     ax.set_ylabel(panel.ylabel)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
