@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from sglang_tokendance.bench.quality import FULL, PLAIN, QualityRunner, Setting, kl_rows
-from sglang_tokendance.bench.quality_server import (Prompts, ServerConfig, ServerOutput, Workload, compare_all,
-                                                    compared_steps, in_process, server_argv, summarize, top_k,
-                                                    truncated_kl)
+from sglang_tokendance.bench.quality_server import (Prompts, SavedAnswers, ServerConfig, ServerOutput, Workload,
+                                                    compare_all, compared_steps, in_process, serve, server_argv,
+                                                    summarize, top_k, truncated_kl)
 from sglang_tokendance.tiny_models import write_tiny_model
 
 DEFAULT = Setting("attention-kv", 0.3, 2, 1)
@@ -83,6 +83,17 @@ def test_server_output_and_compared_steps():
     assert list(compared_steps([5, 6, 7], [5, 6, 7, 8, 9], 4)) == [1, 2]  # the reference ended (EOS)
 
 
+def test_saved_answers_resume_only_with_the_same_flags(tmp_path):
+    out = ServerOutput([1, 2], [logprobs(0.7, 0.2), logprobs(0.1, 0.8)], 12, [(2, 8)], {"segment_hits": 1})
+    path, workload = tmp_path / "quality_server.answers.jsonl", Workload(2, 25)
+    SavedAnswers(path, CONFIG, resume=False).put(["--x"], workload, [out])
+    again = SavedAnswers(path, CONFIG, resume=True)
+    assert again.get(["--x"], workload) == [out]
+    assert again.get(["--y"], workload) is None and again.get(["--x"], Workload(3, 25)) is None
+    assert SavedAnswers(path, replace(CONFIG, top_k=7), resume=True).get(["--x"], workload) is None
+    assert SavedAnswers(path, CONFIG, resume=False).get(["--x"], workload) is None and path.read_text() == ""
+
+
 def test_labels_flags_and_cases():
     for label in ("plain", "attention-kv r=0.3 c=5 s=1", "cacheblend-k r=0.15 c=1"):
         assert Setting.parse(label).label == label
@@ -132,6 +143,9 @@ def test_comparison_on_canned_responses(runner):
     reference = {(workload.label, i): canned(runner, prompts, store, Setting(FULL), i, False) for i in range(2)}
     blended = {(s.label, workload.label, i): canned(runner, prompts, store, s, i, True)
                for s in CONFIG.settings for i in range(2)}
+    saved = SavedAnswers(None, CONFIG, resume=False)
+    saved.put(["--any"], workload, [reference[workload.label, i] for i in range(2)])
+    assert serve(["--any"], [prompts], CONFIG, False, "saved", saved) == reference  # nothing to start
     samples = compare_all(CONFIG, runner, {workload: prompts}, reference, blended)
     assert len(samples) == 4
     for s in samples:  # a server that does what the in-process blend does: the same numbers

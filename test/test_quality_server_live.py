@@ -28,8 +28,8 @@ def test_server_blend_matches_in_process(server_url, smollm2_path):
     runner = QualityRunner(str(smollm2_path))
     workload = CONFIG.workloads[0]
     prompts = Prompts(runner, CONFIG, workload)
-    reference = answer(server_url, [prompts], CONFIG, seed=False, desc="full")
-    blended = {(SETTING.label, *key): out for key, out in answer(server_url, [prompts], CONFIG, True, "blended").items()}
+    reference = {(workload.label, 0): answer(server_url, prompts, CONFIG, seed=False, desc="full")[0]}
+    blended = {(SETTING.label, workload.label, 0): answer(server_url, prompts, CONFIG, True, "blended")[0]}
     assert reference[workload.label, 0].reuse.get("segment_hits", 0) == 0
     (sample,) = compare_all(CONFIG, runner, {workload: prompts}, reference, blended)
     assert sample.same_prompt and sample.server_hits == sample.inproc_hits == workload.agents

@@ -124,6 +124,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="also run the workloads with both servers at this --chunked-prefill-size, at the "
                              "first server setting (0: not)")
     server.add_argument("--top-logprobs", type=int, default=20, help="K of the top-K truncated KL")
+    server.add_argument("--resume", action="store_true",
+                        help="reuse the server answers an interrupted run with the same flags saved beside the "
+                             "output file (*.answers.jsonl)")
     server.add_argument("--server-max-total-tokens", type=int, default=8192,
                         help="--max-total-tokens of each started server (the prompts are short; keeps memory low)")
     args = p.parse_args(argv)
@@ -238,7 +241,8 @@ prefill has a known reuse bug being fixed."""
 def run_server(args: argparse.Namespace, runner: QualityRunner, out: Path, command: str) -> None:
     """Server mode: JSONL, Markdown, plot."""
     config = server_config_from(args)
-    samples = quality_server.run(config, runner)
+    saved = quality_server.SavedAnswers(out.with_suffix(".answers.jsonl"), config, args.resume)
+    samples = quality_server.run(config, runner, saved)
     rows = quality_server.summarize(samples)
     report.write_jsonl(out, [{"kind": "server_sample", **asdict(s)} for s in samples]
                        + [{"kind": "server_summary", **r} for r in rows])

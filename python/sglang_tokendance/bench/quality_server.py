@@ -21,8 +21,10 @@ full-vocabulary KLs, and the noise floor (reference server vs in-process full pr
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
 import requests
@@ -123,6 +125,15 @@ class ServerOutput:
     prompt_tokens: int
     spans: list[tuple[int, int]]
     reuse: dict = field(default_factory=dict)  # meta_info["tokendance"] counts (empty: none)
+
+    def to_json(self) -> dict:
+        return {"ids": self.ids, "tops": [list(top.items()) for top in self.tops], "prompt_tokens": self.prompt_tokens,
+                "spans": self.spans, "reuse": self.reuse}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "ServerOutput":
+        return cls(d["ids"], [{int(t): lp for t, lp in top} for top in d["tops"]], d["prompt_tokens"],
+                   [tuple(span) for span in d["spans"]], d["reuse"])
 
     @classmethod
     def from_response(cls, response: dict) -> "ServerOutput":
@@ -228,28 +239,59 @@ class Prompts:
         self.seed_texts = [runner.seed_text(self.sim, j) for j in range(workload.agents)]
 
 
-def serve(argv: list[str], workloads: list[Prompts], config: ServerConfig, seed: bool,
-          desc: str) -> dict[tuple[str, int], ServerOutput]:
-    """Start one server and `answer` every workload on it."""
+class SavedAnswers:
+    """Server answers per (server flags, workload, measurement flags), kept in a JSONL file as
+    they come, so that a run started again with --resume skips what it already has (a server
+    run takes an hour on a shared 2-core machine, and one crash should not cost it all)."""
+
+    def __init__(self, path: Path | None, config: ServerConfig, resume: bool):
+        self.path, self.fingerprint = path, [config.prompts_per_n, config.decode_steps, config.top_k,
+                                             config.history_words, config.seed]
+        self.answers: dict[str, list[ServerOutput]] = {}
+        if path is not None and resume and path.exists():
+            for line in path.read_text().splitlines():
+                d = json.loads(line)
+                self.answers[d["key"]] = [ServerOutput.from_json(o) for o in d["outputs"]]
+        elif path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("")
+
+    def key(self, argv: list[str], workload: Workload) -> str:
+        return json.dumps([argv, workload.label, self.fingerprint])
+
+    def get(self, argv: list[str], workload: Workload) -> list[ServerOutput] | None:
+        return self.answers.get(self.key(argv, workload))
+
+    def put(self, argv: list[str], workload: Workload, outputs: list[ServerOutput]) -> None:
+        self.answers[self.key(argv, workload)] = outputs
+        if self.path is not None:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"key": self.key(argv, workload), "outputs": [o.to_json() for o in outputs]}) + "\n")
+
+
+def serve(argv: list[str], workloads: list[Prompts], config: ServerConfig, seed: bool, desc: str,
+          saved: SavedAnswers) -> dict[tuple[str, int], ServerOutput]:
+    """Every workload's answers from one server started with `argv` (only if some are not saved
+    yet): (workload label, agent) -> output."""
     from sglang_tokendance.server_process import ServerProcess
 
-    with ServerProcess(argv) as server:
-        return answer(server.url, workloads, config, seed, desc)
+    todo = [p for p in workloads if saved.get(argv, p.workload) is None]
+    if todo:
+        with ServerProcess(argv) as server:
+            for prompts in todo:
+                saved.put(argv, prompts.workload, answer(server.url, prompts, config, seed, desc))
+    return {(p.workload.label, i): out for p in workloads for i, out in enumerate(saved.get(argv, p.workload))}
 
 
-def answer(url: str, workloads: list[Prompts], config: ServerConfig, seed: bool,
-           desc: str) -> dict[tuple[str, int], ServerOutput]:
-    """Every workload's prompts, one at a time: (workload label, agent) -> output. The cache is
-    flushed before each workload; with `seed`, each author's message is cached first."""
-    outputs = {}
-    for prompts in workloads:
-        requests.post(url + "/flush_cache", timeout=60).raise_for_status()
-        for text in prompts.seed_texts if seed else ():
-            post(url, request_body(text, config, 1, with_logprobs=False))
-        for i, text in enumerate(tqdm(prompts.texts, desc=f"{desc} {prompts.workload.label}", unit="prompt")):
-            response = post(url, request_body(text, config, config.decode_steps + 1, with_logprobs=True))
-            outputs[prompts.workload.label, i] = ServerOutput.from_response(response)
-    return outputs
+def answer(url: str, prompts: Prompts, config: ServerConfig, seed: bool, desc: str) -> list[ServerOutput]:
+    """The workload's prompts, one at a time, after a cache flush; with `seed`, each author's
+    message is cached first."""
+    r = requests.post(url + "/flush_cache", params={"timeout": 120}, timeout=180)  # waits for the last request
+    r.raise_for_status()
+    for text in prompts.seed_texts if seed else ():
+        post(url, request_body(text, config, 1, with_logprobs=False))
+    return [ServerOutput.from_response(post(url, request_body(text, config, config.decode_steps + 1, True)))
+            for text in tqdm(prompts.texts, desc=f"{desc} {prompts.workload.label}", unit="prompt")]
 
 
 @dataclass
@@ -296,19 +338,19 @@ def compare(workload: Workload, agent: int, setting: Setting, prompt: SegmentedP
         common_prefix(ref.ids, full.greedy))
 
 
-def run(config: ServerConfig, runner: QualityRunner) -> list[ServerSample]:
+def run(config: ServerConfig, runner: QualityRunner, saved: SavedAnswers) -> list[ServerSample]:
     """Every case of `config`: servers first (one at a time), then the in-process side."""
     workloads = {w: Prompts(runner, config, w) for _, w in config.cases()}
     reference: dict[tuple[str, int], ServerOutput] = {}
     for chunk in sorted({w.chunked_prefill for w in workloads}):
         group = [p for w, p in workloads.items() if w.chunked_prefill == chunk]
-        reference |= serve(server_argv(None, config, chunk), group, config, False, f"full chunk={chunk}")
+        reference |= serve(server_argv(None, config, chunk), group, config, False, f"full chunk={chunk}", saved)
     blended: dict[tuple[str, str, int], ServerOutput] = {}
     for setting in config.settings:
         for chunk in sorted({w.chunked_prefill for s, w in config.cases() if s == setting}):
             group = [workloads[w] for s, w in config.cases() if s == setting and w.chunked_prefill == chunk]
             argv = server_argv(setting, config, chunk)
-            for (label, i), out in serve(argv, group, config, True, f"{setting.label} chunk={chunk}").items():
+            for (label, i), out in serve(argv, group, config, True, f"{setting.label} chunk={chunk}", saved).items():
                 blended[setting.label, label, i] = out
     return compare_all(config, runner, workloads, reference, blended)
 
