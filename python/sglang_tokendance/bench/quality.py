@@ -15,8 +15,8 @@ teacher-forced on the full prefill's greedy continuation and each decoding over 
 the prefill left it (sparse write-back included: the first token's logits still see the
 probe's KV at layers 0..c, decoding sees what was written back, so the decode-step KL is the
 one users get); top-1 and top-5 agreement, the common-prefix length of greedy continuations,
-and the work done (token-layers computed). The probe layers 0..c are computed once per check layer and shared
-by every rule and ratio. A multi-round simulation (outputs become the next round's blocks,
+and the work done (token-layers computed). The probe layers 0..c are computed once per check
+layer and shared by every rule and ratio. A multi-round simulation (outputs become the next round's blocks,
 registered with their authors' KV) gives the rounds to first divergence per setting.
 The oracle rule scores tokens by their true KV deviation from the full prefill (a ceiling).
 """
@@ -487,7 +487,7 @@ def summarize(samples: Iterable[Sample]) -> list[dict]:
     return rows
 
 
-def decode_kl_by_step(samples: Iterable[Sample], setting: str, windows: Sequence[tuple[int, int]]) -> list[dict]:
+def decode_kl_by_step(samples: Sequence[Sample], setting: str, windows: Sequence[tuple[int, int]]) -> list[dict]:
     """Mean decode-step KL of `setting` per N over windows [first, last] of decode steps
     (1-based): how the KL evolves along the continuation."""
     rows = []
@@ -498,7 +498,7 @@ def decode_kl_by_step(samples: Iterable[Sample], setting: str, windows: Sequence
     return rows
 
 
-def mean_or_none(values: Iterable[float | None]) -> float | None:
+def mean_or_none(values: Iterable[float]) -> float | None:
     """The mean, or None for no values (a metric that did not apply)."""
     values = list(values)
     return sum(values) / len(values) if values else None

@@ -6,7 +6,7 @@ to TokenDance servers, one per setting (`--tokendance-*` flags), and to one star
 `--disable-tokendance` (same launcher, same prompt interface, KV machinery off: a full
 prefill). Before a TokenDance server reads the prompts, every author's context followed by
 its message as a marked segment is sent once, so the server caches each message where its
-author produced it (QualityRunner.seed_text: the prompt SegmentStore.seed_store prefills
+author produced it (QualityRunner.seed_text: the prompt QualityRunner.seed_store prefills
 in-process). No `cache_salt`: radix-prefix hits are exact KV and change nothing.
 
 Both servers answer greedily with `top_logprobs` (K per output token). A server cannot be
@@ -92,9 +92,10 @@ def truncated_kl(reference: TopK, other: TopK) -> float:
     token", from two top-K logprob lists.
 
     A reference token missing from `other`'s list has a logprob at most `other`'s K-th
-    largest; it is taken at that bound. The bound never makes the other side's K known-or-bounded
-    masses exceed its own top-K mass, so "any other token" keeps a non-negative mass on both
-    sides and the result is a KL of two distributions (>= 0). With both lists exact (every
+    largest; it is taken at that bound. Each such token displaces one of `other`'s top-K tokens
+    of at least that mass, so the other side's K masses still sum to at most its top-K mass,
+    "any other token" keeps a non-negative mass on both sides, and the result is a KL of two
+    distributions (>= 0). With both lists exact (every
     reference token in `other`'s list) it is the KL of the coarse-grained distributions, a lower
     bound of the full-vocabulary KL; with K = vocabulary size it is that KL."""
     if not reference or not other:
@@ -358,6 +359,8 @@ def run(config: ServerConfig, runner: QualityRunner, saved: SavedAnswers) -> lis
 def compare_all(config: ServerConfig, runner: QualityRunner, workloads: dict[Workload, Prompts],
                 reference: dict[tuple[str, int], ServerOutput],
                 blended: dict[tuple[str, str, int], ServerOutput]) -> list[ServerSample]:
+    """Server answers (reference: (workload, agent); blended: (setting, workload, agent)) beside
+    the in-process blend of the same prompts, one sample per case and agent."""
     samples = []
     by_workload: dict[Workload, list[Setting]] = {}
     for setting, workload in config.cases():
