@@ -9,12 +9,13 @@ import pytest
 
 from sglang_tokendance.bench.quality import (ORACLE, PLAIN, QualityConfig, QualityRunner, Setting, common_prefix,
                                              evaluate_prompt, kl_top, measure_divergence, summarize)
+from sglang_tokendance.bench.quality_server import Workload
 from sglang_tokendance.bench.workloads import make_simulation, preset_config
 from sglang_tokendance.tiny_models import write_tiny_model
 
 CONFIG = QualityConfig(num_agents=(2,), rules=("cacheblend-k", "attention-kv"), ratios=(0.5, 1.0),
                        check_layers=(1, 2), continuation_tokens=6, simulation_agents=2, simulation_rounds=2,
-                       history_words=20, block_words=25)
+                       history_words=20, block_words=25, decode_steps=5)
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +38,29 @@ def test_metrics_helpers():
     assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
 
 
+def test_teacher_forced_decode_steps_are_decode_steps(runner):
+    """One extend of the forced tokens gives each decode step's logits, as one-token steps do."""
+    import torch
+
+    from sglang_tokendance.core.blend import BlendOptions
+
+    ids = runner.segment_ids("The council met on Friday to talk about the flooded mill and the north road.")
+    kv = runner.new_kv(len(ids) + 8)
+    logits, _ = runner.prefill(ids, kv, [], BlendOptions())
+    out = runner.greedy(kv.clone(), len(ids), logits, 8)
+    forced = runner.forced_inputs(out, 6)
+    assert forced == out[:len(forced)] and len(forced) > 1
+    stepwise = kv.clone()
+    steps = torch.stack([runner.extend(stepwise, [t], len(ids) + j)[-1] for j, t in enumerate(forced)])
+    torch.testing.assert_close(runner.extend(kv, forced, len(ids)), steps, atol=1e-4, rtol=1e-4)
+    assert steps.argmax(-1).tolist() == out[1:len(forced) + 1]
+    eos = min(runner.eos)
+    assert runner.forced_inputs([5, 6, eos, 7], 10) == [5, 6] and runner.forced_inputs([5, 6, 7], 2) == [5, 6]
+    assert runner.extend(kv, [], len(ids)).shape[0] == 0
+    # over a full prefill's KV, recomputing the last prompt token changes nothing
+    torch.testing.assert_close(runner.refresh_last(kv, ids), logits, atol=1e-4, rtol=1e-4)
+
+
 def test_every_setting_against_the_full_prefill(runner):
     sim = make_simulation(preset_config("generative_agents", num_agents=2, num_rounds=1, history_words=20,
                                         block_words=25, max_new_tokens=6))
@@ -48,10 +72,13 @@ def test_every_setting_against_the_full_prefill(runner):
     assert {s.setting for s in samples if s.screen_layer} == {"attention-kv r=0.5 c=2 s=1", "attention-kv r=1 c=2 s=1"}
     by = {s.setting: s for s in samples}
     assert by[PLAIN].reused_tokens == sum(s.end - s.start for s in prompt.spans) > 0
-    assert by[PLAIN].kl > 1e-6  # the blocks' KV came from their authors' contexts
+    assert by[PLAIN].first_kl > 1e-6  # the blocks' KV came from their authors' contexts
+    assert by[PLAIN].decode_kl > 1e-6 and min(by[PLAIN].decode_kls) > 0  # and decoding sees it at every step
     for s in samples:
-        if s.ratio == 1.0:  # a full prefill: same distribution, same continuation
-            assert s.kl < 1e-6 and s.top1 and s.common_prefix == s.continuation_tokens > 0, s.setting
+        assert len(s.decode_kls) == CONFIG.decode_steps and s.decode_kl == pytest.approx(sum(s.decode_kls) / len(s.decode_kls))
+        if s.ratio == 1.0:  # a full prefill: same distribution, same continuation, same decoding
+            assert s.first_kl < 1e-6 and s.top1 and s.common_prefix == s.continuation_tokens > 0, s.setting
+            assert max(s.decode_kls) < 1e-6, s.setting
             assert s.kept_tokens == s.reused_tokens
         assert s.token_layers <= s.full_token_layers + s.prompt_tokens * s.check_layer
     rows = summarize(samples)
@@ -82,6 +109,14 @@ def test_cli_writes_results(tmp_path, tiny_path):
     assert kinds == {"sample", "summary", "divergence", "timing"}
     md = out.with_suffix(".md").read_text()
     assert "python -m sglang_tokendance.bench_quality --model-path" in md and "N = 2" in md
+    assert "| first_kl | decode_kl |" in md and "Decode-step KL by step" in md
     assert (tmp_path / "quality_n2.png").stat().st_size > 0
     with pytest.raises(SystemExit):
         bench_quality.parse_args(["--rules", "best"])
+    for bad in (["--server-settings", "best r=1 c=1"], ["--server-workloads", "agents=3"], ["--decode-steps", "0"]):
+        with pytest.raises(SystemExit):
+            bench_quality.parse_args(bad)
+    server = bench_quality.parse_args(["--server", "--server-workloads", "N=6 w=40;N=3 w=30 chunk=64"])
+    assert server.server_workloads == (Workload(6, 40), Workload(3, 30, 64))
+    assert server.server_settings[0] == bench_quality.server_default_setting()
+    assert bench_quality.server_config_from(server).cases()[0] == (server.server_settings[0], Workload(6, 40))

@@ -4,11 +4,17 @@ Runs our blended prefill (core/blend) in-process on SmolLM2 over All-Gather roun
 format (see sglang_tokendance/bench/quality.py) at N agents each of --num-agents: full prefill
 vs plain reuse, every --rules rule at every --ratios recompute ratio and --check-layers check
 layer, and an oracle rule (true KV deviation from the full prefill) as the ceiling. Reports
-next-token KL(full || blended), top-1 / top-5 agreement, common-prefix length of greedy
-continuations, the work done (token-layers vs a full prefill), rounds to first divergence of
-a multi-round simulation, and the prefill-time ratio blended / full of one round at the
-default setting. Writes JSONL, a Markdown summary (with this command) and a KL-vs-recompute
-PNG per N.
+KL(full || blended) at the first output token and at the first --decode-steps decode steps
+(teacher-forced on the full prefill's greedy continuation, each side decoding over its own
+KV), top-1 / top-5 agreement, common-prefix length of greedy continuations, the work done
+(token-layers vs a full prefill), rounds to first divergence of a multi-round simulation,
+and the prefill-time ratio blended / full of one round at the default setting. Writes JSONL,
+a Markdown summary (with this command) and KL-vs-recompute PNGs per N.
+
+With --server it measures the same prompts through real servers instead: TokenDance servers
+at --server-settings vs one with --disable-tokendance, compared on top-logprobs beside the
+same truncated measure computed in-process (see sglang_tokendance/bench/quality_server.py);
+results go to benchmark/results/quality_server.{jsonl,md,png} by default.
 """
 
 from __future__ import annotations
@@ -20,15 +26,17 @@ from pathlib import Path
 
 import torch
 
-from sglang_tokendance.bench import report
-from sglang_tokendance.bench.quality import (PLAIN, QualityConfig, QualityRunner, Setting,
+from sglang_tokendance.bench import quality_server, report
+from sglang_tokendance.bench.quality import (PLAIN, QualityConfig, QualityRunner, Setting, decode_kl_by_step,
                                              measure_divergence, measure_prompts, prefill_timing,
                                              sample_dicts, summarize)
+from sglang_tokendance.bench.quality_server import ServerConfig, Workload
 from sglang_tokendance.core.blend import BlendOptions
 from sglang_tokendance.core.selection import GRANULARITIES, RULES
 from sglang_tokendance.server_args import TokenDanceArgs
 
 DEFAULT_OUTPUT = Path("benchmark/results/quality.jsonl")
+DEFAULT_SERVER_OUTPUT = Path("benchmark/results/quality_server.jsonl")
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -45,6 +53,25 @@ def _names(text: str) -> tuple[str, ...]:
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown rule {unknown[0]!r}; choose from {', '.join(RULES)}")
     return names
+
+
+def _settings(text: str) -> tuple[Setting, ...]:
+    try:
+        return tuple(Setting.parse(x) for x in text.split(";") if x.strip())
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _workloads(text: str) -> tuple[Workload, ...]:
+    try:
+        return tuple(Workload.parse(x) for x in text.split(";") if x.strip())
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def server_default_setting() -> Setting:
+    d = TokenDanceArgs()
+    return Setting(d.selection, d.recompute_ratio, d.check_layer, d.screen_layer)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -66,26 +93,60 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also run the default rule screened at this layer (0: not)")
     p.add_argument("--screen-factor", type=float, default=defaults.screen_factor)
     p.add_argument("--continuation-tokens", type=int, default=32)
+    p.add_argument("--decode-steps", type=int, default=16,
+                   help="teacher-forced decode steps of the decode-step KL (1 to 64)")
+    p.add_argument("--refresh-last-token", action="store_true",
+                   help="recompute the last prompt token over the written-back KV (write-back experiment)")
     p.add_argument("--simulation-agents", type=int, default=4)
     p.add_argument("--simulation-rounds", type=int, default=3, help="0 skips the simulation")
     p.add_argument("--history-words", type=int, default=150)
     p.add_argument("--block-words", type=int, default=60)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    p.add_argument("--output-file", type=Path, default=DEFAULT_OUTPUT,
-                   help="JSONL; the Markdown summary and PNG plots are written beside it")
+    p.add_argument("--output-file", type=Path, default=None,
+                   help=f"JSONL; the Markdown summary and PNG plots are written beside it (default: {DEFAULT_OUTPUT}, "
+                        f"with --server {DEFAULT_SERVER_OUTPUT})")
     p.add_argument("--no-plot", action="store_true")
-    return p.parse_args(argv)
+    server = p.add_argument_group("server mode")
+    server.add_argument("--server", action="store_true",
+                        help="measure through TokenDance servers vs a --disable-tokendance one instead of the sweep")
+    default = server_default_setting()
+    server.add_argument("--server-settings", type=_settings,
+                        default=(default, replace(default, ratio=0.15), Setting("cacheblend-k", default.ratio, 1),
+                                 Setting(PLAIN)),
+                        help="';'-separated settings, one server each, e.g. 'plain;attention-kv r=0.3 c=5 s=1' "
+                             "(default: the server's default, the same at r=0.15, CacheBlend's rule at c=1, plain)")
+    server.add_argument("--server-workloads", type=_workloads,
+                        default=(Workload(4, 60), Workload(10, 60), Workload(6, 40)),
+                        help="';'-separated workloads 'N=AGENTS w=BLOCK_WORDS [chunk=SIZE]' (default: "
+                             "'N=4 w=60;N=10 w=60;N=6 w=40')")
+    server.add_argument("--chunked-prefill-size", type=int, default=128,
+                        help="also run the workloads with both servers at this --chunked-prefill-size, at the "
+                             "first server setting (0: not)")
+    server.add_argument("--top-logprobs", type=int, default=20, help="K of the top-K truncated KL")
+    server.add_argument("--resume", action="store_true",
+                        help="reuse the server answers an interrupted run with the same flags saved beside the "
+                             "output file (*.answers.jsonl)")
+    server.add_argument("--server-max-total-tokens", type=int, default=8192,
+                        help="--max-total-tokens of each started server (the prompts are short; keeps memory low)")
+    args = p.parse_args(argv)
+    if not 1 <= args.decode_steps <= 64:
+        p.error(f"--decode-steps must be in [1, 64], got {args.decode_steps}")
+    return args
+
+
+def blend_options(args: argparse.Namespace) -> BlendOptions:
+    return BlendOptions(block_head_tokens=args.block_head_tokens, granularity=args.selection_granularity,
+                        block_size=args.block_size, sparse_writeback=not args.no_sparse_writeback,
+                        screen_factor=args.screen_factor)
 
 
 def config_from(args: argparse.Namespace) -> QualityConfig:
-    options = BlendOptions(block_head_tokens=args.block_head_tokens, granularity=args.selection_granularity,
-                           block_size=args.block_size, sparse_writeback=not args.no_sparse_writeback,
-                           screen_factor=args.screen_factor)
     return QualityConfig(num_agents=args.num_agents, prompts_per_n=args.prompts_per_n, rules=args.rules, ratios=args.ratios,
-                         check_layers=args.check_layers, oracle=not args.no_oracle, options=options,
+                         check_layers=args.check_layers, oracle=not args.no_oracle, options=blend_options(args),
                          screen_layer=args.screen_layer,
-                         continuation_tokens=args.continuation_tokens, simulation_agents=args.simulation_agents,
+                         continuation_tokens=args.continuation_tokens, decode_steps=args.decode_steps,
+                         refresh_last_token=args.refresh_last_token, simulation_agents=args.simulation_agents,
                          simulation_rounds=args.simulation_rounds, history_words=args.history_words,
                          block_words=args.block_words, seed=args.seed)
 
@@ -98,33 +159,53 @@ def timed_setting(config: QualityConfig) -> Setting:
     return Setting(d.selection, d.recompute_ratio, deepest, config.screen_layer * (config.screen_layer < deepest))
 
 
+def server_config_from(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(settings=args.server_settings, workloads=args.server_workloads,
+                        chunked_prefill=args.chunked_prefill_size, prompts_per_n=args.prompts_per_n,
+                        decode_steps=args.decode_steps, top_k=args.top_logprobs, options=blend_options(args),
+                        history_words=args.history_words, seed=args.seed, model_path=args.model_path,
+                        max_total_tokens=args.server_max_total_tokens)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
-    config = config_from(args)
     if args.model_path is None:
         from sglang_tokendance.model_store import prepared_default_model
 
         args.model_path = str(prepared_default_model())
     runner = QualityRunner(args.model_path)
+    command = report.command_line("sglang_tokendance.bench_quality", argv)
+    out = args.output_file or (DEFAULT_SERVER_OUTPUT if args.server else DEFAULT_OUTPUT)
+    (run_server if args.server else run_sweep)(args, runner, out, command)
+    print(out.with_suffix(".md").read_text())
+
+
+def run_sweep(args: argparse.Namespace, runner: QualityRunner, out: Path, command: str) -> None:
+    """The in-process sweep: JSONL, Markdown, plots."""
+    config = config_from(args)
     samples = measure_prompts(runner, config)
     rows = summarize(samples)
     divergence = measure_divergence(runner, config) if config.simulation_rounds > 0 else []
     timing = [prefill_timing(runner, config, timed_setting(config), n) for n in config.num_agents]
 
-    out = args.output_file
     records = [{"kind": "sample", **s} for s in sample_dicts(samples)]
     records += [{"kind": "summary", **r} for r in rows]
     records += [{"kind": "divergence", **{k: v for k, v in asdict(d).items() if k != "outputs"}} for d in divergence]
     records += [{"kind": "timing", **t} for t in timing]
     report.write_jsonl(out, records)
-    command = report.command_line("sglang_tokendance.bench_quality", argv)
-    columns = ["agents", "setting", "recomputed_share", "work", "kl", "kl_max", "top1", "top5", "common_prefix"]
-    sections = [(f"N = {n}: mean over agents", report.markdown_table([r for r in rows if r["agents"] == n], columns))
-                for n in config.num_agents]
+    columns = ["agents", "setting", "recomputed_share", "work", "first_kl", "decode_kl", "first_kl_max",
+               "decode_kl_max", "top1", "top5", "common_prefix"]
+    sections = [("Metrics", METRICS.format(steps=config.decode_steps))]
+    sections += [(f"N = {n}: mean over agents", report.markdown_table([r for r in rows if r["agents"] == n], columns))
+                 for n in config.num_agents]
+    windows = [(a, min(a + 3, config.decode_steps)) for a in range(1, config.decode_steps + 1, 4)]
+    by_step = decode_kl_by_step(samples, timed_setting(config).label, windows)
+    sections.append((f"Decode-step KL by step at {timed_setting(config).label} (mean over agents)",
+                     report.markdown_table(by_step, ["agents", *[f"steps {a}-{b}" for a, b in windows]])))
     if divergence:
         sections.append((f"Rounds to first divergence ({config.simulation_agents} agents, "
                          f"{config.simulation_rounds} rounds; none = never diverged)",
@@ -137,26 +218,93 @@ def main(argv: list[str] | None = None) -> None:
                           command, sections)
     if not args.no_plot:
         for n in config.num_agents:
-            plot_kl(out.with_name(f"{out.stem}_n{n}.png"), [r for r in rows if r["agents"] == n], n)
-            plot_kl(out.with_name(f"{out.stem}_n{n}_work.png"), [r for r in rows if r["agents"] == n], n, "work")
-    print(out.with_suffix(".md").read_text())
+            plot_kl(out.with_name(f"{out.stem}_n{n}.png"), [r for r in rows if r["agents"] == n], n,
+                    config.decode_steps)
+            plot_kl(out.with_name(f"{out.stem}_n{n}_work.png"), [r for r in rows if r["agents"] == n], n,
+                    config.decode_steps, "work")
 
 
-def plot_kl(path: Path, rows: list[dict], agents: int, x: str = "recomputed_share") -> None:
-    """KL vs `x` (recomputed share of reused tokens, or work), one line per rule and check layer."""
-    series: dict[str, tuple[list[float], list[float]]] = {}
-    plain = next((r["kl"] for r in rows if r["rule"] == PLAIN), None)
-    for r in sorted(rows, key=lambda r: r[x]):
-        if r["rule"] == PLAIN:
-            continue
-        screen = f" s={r['screen_layer']}" if r.get("screen_layer") else ""
-        xs, ys = series.setdefault(f"{r['rule']} c={r['check_layer']}{screen}", ([], []))
-        xs.append(r[x])
-        ys.append(r["kl"])
+SERVER_MEASURES = """Truncated KL (`tkl`): KL(reference || blended) over the reference's top-{k} tokens plus "any other
+token", from top-{k} logprob lists; a reference token missing from the blended list is taken at
+the blended list's smallest logprob (an upper bound of its true value). `first`: the first
+output token. `decode`: mean over decode steps 1..{steps} at which the greedy outputs still
+agreed (both sides decoded the same inputs; `steps` = how many, mean over prompts). `server_*`:
+the TokenDance server vs the --disable-tokendance server. `inproc_*`: the same measure in-process
+at the same steps, teacher-forced on the reference server's output (same prompts, settings,
+cached KV). `agree`: common prefix of the greedy outputs ({n} tokens). `reused`/`recomputed`/`hits`:
+meta_info["tokendance"] vs the in-process prefill. `inproc_first_kl`/`inproc_decode_kl`:
+full-vocabulary KL in-process (decode: every teacher-forced step). `noise_*`: the reference server
+vs the in-process full prefill (the floor of any difference). Chunked rows are preliminary: chunked
+prefill has a known reuse bug being fixed."""
+
+
+def run_server(args: argparse.Namespace, runner: QualityRunner, out: Path, command: str) -> None:
+    """Server mode: JSONL, Markdown, plot."""
+    config = server_config_from(args)
+    saved = quality_server.SavedAnswers(out.with_suffix(".answers.jsonl"), config, args.resume)
+    samples = quality_server.run(config, runner, saved)
+    rows = quality_server.summarize(samples)
+    report.write_jsonl(out, [{"kind": "server_sample", **asdict(s)} for s in samples]
+                       + [{"kind": "server_summary", **r} for r in rows])
+    sections = [("Measures", SERVER_MEASURES.format(k=config.top_k, steps=config.decode_steps,
+                                                    n=config.decode_steps + 1)),
+                ("Truncated KL, server vs in-process (mean over agents)", report.markdown_table(rows, [
+                    "workload", "setting", "server_first_tkl", "inproc_first_tkl", "server_decode_tkl",
+                    "inproc_decode_tkl", "steps_compared", "server_agree", "inproc_agree", "noise_first_tkl",
+                    "noise_decode_tkl", "noise_agree"])),
+                ("Reuse counts and full-vocabulary KL (mean over agents)", report.markdown_table(rows, [
+                    "workload", "setting", "same_prompts", "server_hits", "inproc_hits", "server_reused",
+                    "inproc_reused", "server_recomputed", "inproc_recomputed", "inproc_first_kl",
+                    "inproc_decode_kl"]))]
+    report.write_markdown(out.with_suffix(".md"), "Blended prefill quality through the server vs in-process "
+                          "(SmolLM2-135M)", command, sections)
+    if not args.no_plot:
+        plot_server(out.with_suffix(".png"), samples)
+
+
+def plot_server(path: Path, samples: list[quality_server.ServerSample]) -> None:
+    """Server vs in-process truncated KL per prompt, first token and decode steps, one colour per setting."""
+    panels = []
+    for what, key in (("first output token", "first_tkl"), ("decode steps (while greedy agrees)", "decode_tkl")):
+        series: dict[str, tuple[list[float], list[float]]] = {}
+        for s in samples:
+            x, y = getattr(s, "inproc_" + key), getattr(s, "server_" + key)
+            if x and y:  # log axes: no zeros, no steps compared
+                label = s.setting + (" (chunked)" if s.chunked_prefill else "")
+                xs, ys = series.setdefault(label, ([], []))
+                xs.append(x)
+                ys.append(y)
+        panels.append(report.Panel(what, "in-process truncated KL", "server truncated KL", series, logy=True,
+                                   lines=False, diagonal=True))
+    report.plot_panels(path, "Truncated KL per prompt: server vs in-process", panels)
+
+
+METRICS = """`first_kl`: KL(full || blended) over the vocabulary at the first output token (the prefill's own
+logits). `decode_kl`: mean KL(full || blended) over the first {steps} decode steps, both sides
+teacher-forced on the full prefill's greedy continuation, each decoding over its own KV as its
+prefill left it (sparse write-back included) -- the quality users get. `_max`: the worst agent.
+`work`: token-layers computed / a full prefill's. `common_prefix`: of 32-token greedy continuations."""
+
+
+def plot_kl(path: Path, rows: list[dict], agents: int, decode_steps: int, x: str = "recomputed_share") -> None:
+    """First-token and decode-step KL vs `x` (recomputed share of reused tokens, or work), side by
+    side, one line per rule and check layer."""
     xlabel = {"recomputed_share": "recomputed share of reused tokens",
               "work": "token-layers computed / full prefill's"}[x]
-    report.plot_lines(path, f"KL(full || blended), N={agents}", xlabel, "mean next-token KL (log)", series,
-                      hline=plain, hline_label="plain reuse (r=0)", logy=True)
+    panels = []
+    for metric, what in (("first_kl", "first output token"), ("decode_kl", f"first {decode_steps} decode steps")):
+        series: dict[str, tuple[list[float], list[float]]] = {}
+        plain = next((r[metric] for r in rows if r["rule"] == PLAIN), None)
+        for r in sorted(rows, key=lambda r: r[x]):
+            if r["rule"] == PLAIN or r[metric] is None:
+                continue
+            screen = f" s={r['screen_layer']}" if r.get("screen_layer") else ""
+            xs, ys = series.setdefault(f"{r['rule']} c={r['check_layer']}{screen}", ([], []))
+            xs.append(r[x])
+            ys.append(r[metric])
+        panels.append(report.Panel(what, xlabel, "mean KL (log)", series, hline=plain,
+                                   hline_label="plain reuse (r=0)", logy=True))
+    report.plot_panels(path, f"KL(full || blended), N={agents}", panels)
 
 
 if __name__ == "__main__":

@@ -9,10 +9,14 @@ author's own prompt, as the server's output registration caches it -- un-rotated
 into place on reuse, exactly as the forest does.
 
 Per agent prompt and setting (rule x recompute ratio x check layer) it measures, against the
-full prefill of the same ids: next-token KL(full || blended) over the whole vocabulary, top-1
-and top-5 agreement, the common-prefix length of greedy continuations, and the work done
-(token-layers computed). The probe layers 0..c are computed once per check layer and shared
-by every rule and ratio. A multi-round simulation (outputs become the next round's blocks,
+full prefill of the same ids: KL(full || blended) over the whole vocabulary at the first
+output token and, mean over the first `decode_steps` decode steps, with both sides
+teacher-forced on the full prefill's greedy continuation and each decoding over its own KV as
+the prefill left it (sparse write-back included: the first token's logits still see the
+probe's KV at layers 0..c, decoding sees what was written back, so the decode-step KL is the
+one users get); top-1 and top-5 agreement, the common-prefix length of greedy continuations,
+and the work done (token-layers computed). The probe layers 0..c are computed once per check
+layer and shared by every rule and ratio. A multi-round simulation (outputs become the next round's blocks,
 registered with their authors' KV) gives the rounds to first divergence per setting.
 The oracle rule scores tokens by their true KV deviation from the full prefill (a ceiling).
 """
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field, replace
+from itertools import takewhile
 from typing import Iterable, Sequence
 
 import torch
@@ -28,10 +33,10 @@ from tqdm import tqdm
 
 from sglang_tokendance.bench.hf_layerwise import DenseKV, HFLayerwise
 from sglang_tokendance.bench.workloads import Simulation, make_simulation, message_block, preset_config
-from sglang_tokendance.core.blend import BlendOptions, RequestRow, blended_prefill, finish, probe, select
+from sglang_tokendance.core.blend import BlendOptions, BlendStats, RequestRow, blended_prefill, finish, probe, select
 from sglang_tokendance.core.rope import RopeSpec, rotate, unrotate
 from sglang_tokendance.core.segments import DEFAULT_SEPARATOR, Segmenter, SegmentedPrompt, segment_hash
-from sglang_tokendance.core.selection import fixed_scores, rule_named
+from sglang_tokendance.core.selection import RULES, fixed_scores, rule_named
 from sglang_tokendance.server_args import TokenDanceArgs
 
 ORACLE, PLAIN, FULL = "oracle", "plain", "full"
@@ -54,6 +59,18 @@ class Setting:
     def options(self, base: BlendOptions) -> BlendOptions:
         return replace(base, recompute_ratio=self.ratio, check_layer=self.check_layer, screen_layer=self.screen_layer)
 
+    @classmethod
+    def parse(cls, label: str) -> "Setting":
+        """The setting a `label` names ("plain", "attention-kv r=0.3 c=5 s=1"): for command lines."""
+        rule, *fields = label.split()
+        if rule in (PLAIN, FULL) and not fields:
+            return cls(rule)
+        values = dict(f.split("=", 1) if "=" in f else (f, "") for f in fields)
+        if rule not in RULES or not {"r", "c"} <= set(values) <= {"r", "c", "s"}:
+            raise ValueError(f"bad setting {label!r}: write 'plain' or 'RULE r=RATIO c=CHECK_LAYER [s=SCREEN_LAYER]' "
+                             f"with RULE one of {', '.join(RULES)}")
+        return cls(rule, float(values["r"]), int(values["c"]), int(values.get("s", 0)))
+
 
 @dataclass(frozen=True)
 class QualityConfig:
@@ -66,6 +83,8 @@ class QualityConfig:
     options: BlendOptions = BlendOptions()  # granularity, block size, head tokens, write-back, screen factor
     screen_layer: int = 1  # the default rule is also run screened at this layer (0: not)
     continuation_tokens: int = 32
+    decode_steps: int = 16  # teacher-forced decode steps of the decode-step KL
+    refresh_last_token: bool = False  # recompute the last prompt token over the written-back KV
     simulation_agents: int = 4
     simulation_rounds: int = 3
     simulation_settings: tuple[Setting, ...] = ()  # default: see default_simulation_settings
@@ -91,11 +110,13 @@ class Sample:
     kept_tokens: int
     token_layers: int
     full_token_layers: int
-    kl: float
+    first_kl: float  # KL(full || blended) of the first output token (the prefill's logits)
+    decode_kl: float | None  # mean over the decode steps (None: the continuation ended at once)
     top1: bool
     top5: float
     common_prefix: int  # of the greedy continuations, out of continuation_tokens
     continuation_tokens: int  # the full prefill's continuation (shorter if it ended early)
+    decode_kls: list[float]  # per decode step (1, 2, ...): fewer than decode_steps if it ended early
 
 
 class SegmentStore:
@@ -146,17 +167,32 @@ class QualityRunner:
 
     # --- prompts ------------------------------------------------------------------------
 
-    def chat(self, system: str, user_pieces: Sequence[str]) -> SegmentedPrompt:
-        """A chat prompt whose user turn is `user_pieces` joined by separators."""
-        text = self.tokenizer.apply_chat_template(
+    def chat_text(self, system: str, user_pieces: Sequence[str]) -> str:
+        """The marked text of a chat prompt whose user turn is `user_pieces` joined by
+        separators (what a client sends to /generate)."""
+        return self.tokenizer.apply_chat_template(
             [{"role": "system", "content": system},
              {"role": "user", "content": DEFAULT_SEPARATOR.join(user_pieces)}],
             tokenize=False, add_generation_prompt=True)
+
+    def segmented(self, text: str) -> SegmentedPrompt:
         return self.segmenter.from_pieces(self.segmenter.split_text(text), add_special_tokens=False)
 
-    def agent_prompt(self, sim: Simulation, agent: int, round_index: int, blocks: Sequence[str]) -> SegmentedPrompt:
+    def chat(self, system: str, user_pieces: Sequence[str]) -> SegmentedPrompt:
+        return self.segmented(self.chat_text(system, user_pieces))
+
+    def agent_text(self, sim: Simulation, agent: int, round_index: int, blocks: Sequence[str]) -> str:
         pieces = sim.prompt_pieces(agent, round_index, blocks)
-        return self.chat(pieces[0], pieces[1:])
+        return self.chat_text(pieces[0], pieces[1:])
+
+    def agent_prompt(self, sim: Simulation, agent: int, round_index: int, blocks: Sequence[str]) -> SegmentedPrompt:
+        return self.segmented(self.agent_text(sim, agent, round_index, blocks))
+
+    def seed_text(self, sim: Simulation, author: int) -> str:
+        """The author's round-0 context (its own prompt) followed by its seed message as a
+        segment: the prompt that caches the message where its author produced it."""
+        context = self.chat_text(sim.agents[author].history, [sim.instruction(author, 0)])
+        return DEFAULT_SEPARATOR.join([context, sim.seed_messages[author], ""])
 
     def segment_ids(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -178,6 +214,18 @@ class QualityRunner:
         return self.model.logits(hidden[-1]), stats
 
     @torch.no_grad()
+    def extend(self, kv: DenseKV, tokens: Sequence[int], start: int) -> torch.Tensor:
+        """Logits [len(tokens), vocab] after each of `tokens` placed at positions start.., which
+        attend to the KV before them (a decode step per token, run as one extend: with the
+        tokens known in advance that is the same computation). Their KV is written to `kv`."""
+        n = len(tokens)
+        if n == 0:
+            return torch.empty(0, self.model.lm.config.vocab_size)
+        row = RequestRow(start, n, torch.arange(start + n))
+        hidden, _ = blended_prefill(self.model, kv, torch.tensor(tokens), torch.arange(start, start + n), [row],
+                                    BlendOptions(), None)
+        return self.model.logits(hidden)
+
     def greedy(self, kv: DenseKV, prompt_len: int, logits: torch.Tensor, steps: int) -> list[int]:
         """Greedy continuation after a prefill whose KV is in `kv` (it needs room for it)."""
         out = []
@@ -186,28 +234,51 @@ class QualityRunner:
             out.append(token)
             if token in self.eos or p + 1 > kv.k.shape[1]:
                 break
-            row = RequestRow(p, 1, torch.arange(p + 1))
-            hidden, _ = blended_prefill(self.model, kv, torch.tensor([token]), torch.tensor([p]), [row],
-                                        BlendOptions(), None)
-            logits = self.model.logits(hidden[-1])
+            logits = self.extend(kv, [token], p)[-1]
         return out
+
+    def forced_inputs(self, reference: Sequence[int], steps: int) -> list[int]:
+        """The decode inputs of teacher forcing on `reference`: its tokens before any end token,
+        at most `steps` (input j gives the distribution of decode step j + 1)."""
+        return list(takewhile(lambda t: t not in self.eos, reference))[:steps]
+
+    def refresh_last(self, kv: DenseKV, ids: Sequence[int]) -> torch.Tensor:
+        """The last prompt token recomputed over the KV as the prefill left it (write-back
+        included), so that its logits and KV see what decoding sees; its logits."""
+        return self.extend(kv, ids[-1:], len(ids) - 1)[-1]
 
     def seed_store(self, sim: Simulation) -> SegmentStore:
         """Each seed message's KV as its author produced it: after the author's own prompt."""
         store = SegmentStore(self.spec)
-        for j, message in enumerate(sim.seed_messages):
-            context = self.chat(sim.agents[j].history, [sim.instruction(j, 0)]).input_ids
-            message_ids = self.segment_ids(message)
-            kv = self.new_kv(len(context) + len(message_ids))
-            self.prefill(context + message_ids, kv, [], BlendOptions())
-            store.add(self.hash(message_ids), kv, len(context), len(message_ids))
+        for j in range(len(sim.agents)):
+            seed = self.segmented(self.seed_text(sim, j))
+            kv = self.new_kv(len(seed.input_ids))
+            self.prefill(seed.input_ids, kv, [], BlendOptions())
+            for span in seed.spans:  # none when the message is below the minimum segment length
+                store.add(span.hash, kv, span.start, span.end - span.start)
         return store
+
+    def run_setting(self, prompt: SegmentedPrompt, store: SegmentStore, setting: Setting, options: BlendOptions,
+                    room: int) -> tuple[torch.Tensor, DenseKV, BlendStats, int]:
+        """One prompt's prefill at `setting` (FULL: no reuse) in a KV of `room` slots: its
+        last-token logits, KV, stats and segment hits."""
+        kv = self.new_kv(room)
+        runs = [] if setting.rule == FULL else store.place(prompt, kv)
+        rule = None if setting.rule in (PLAIN, FULL) else rule_named(setting.rule)
+        logits, stats = self.prefill(prompt.input_ids, kv, runs, setting.options(options) if runs else BlendOptions(),
+                                     rule)
+        return logits, kv, stats, len(runs)
+
+
+def kl_rows(full: torch.Tensor, blended: torch.Tensor) -> torch.Tensor:
+    """KL(full || blended) over the vocabulary, per row of logits [..., vocab]."""
+    p, q = full.log_softmax(-1), blended.log_softmax(-1)
+    return torch.sum(p.exp() * (p - q), -1)
 
 
 def kl_top(full: torch.Tensor, blended: torch.Tensor) -> tuple[float, bool, float]:
     """KL(full || blended) of next-token distributions, top-1 agreement, top-5 overlap."""
-    p, q = full.log_softmax(-1), blended.log_softmax(-1)
-    kl = float(torch.sum(p.exp() * (p - q)))
+    kl = float(kl_rows(full, blended))
     top5 = len(set(full.topk(5).indices.tolist()) & set(blended.topk(5).indices.tolist())) / 5
     return kl, bool(full.argmax() == blended.argmax()), top5
 
@@ -235,20 +306,28 @@ def evaluate_prompt(runner: QualityRunner, prompt: SegmentedPrompt, store: Segme
                     agents: int, agent: int) -> list[Sample]:
     """Every setting of `config` on one prompt (probe layers shared per check layer)."""
     ids, steps = prompt.input_ids, config.continuation_tokens
-    room = len(ids) + steps
+    room = len(ids) + max(steps, config.decode_steps)
     full_kv = runner.new_kv(room)
     full_logits, full_stats = runner.prefill(ids, full_kv, [], BlendOptions())
-    reference = runner.greedy(full_kv, len(ids), full_logits, steps)
+    reference = runner.greedy(full_kv, len(ids), full_logits, max(steps, config.decode_steps))
+    forced = runner.forced_inputs(reference, config.decode_steps)
+    full_decode = runner.extend(full_kv, forced, len(ids))
+    reference = reference[:steps]
     reused_kv = runner.new_kv(room)
     runs = store.place(prompt, reused_kv)
     samples = []
 
     def record(setting: Setting, logits, kv, stats) -> None:
+        if config.refresh_last_token:
+            logits = runner.refresh_last(kv, ids)
+            stats = replace(stats, token_layers=stats.token_layers + runner.model.num_layers)
         kl, top1, top5 = kl_top(full_logits, logits)
+        decode_kls = kl_rows(full_decode, runner.extend(kv, forced, len(ids))).tolist()
         cont = runner.greedy(kv, len(ids), logits, steps)
         samples.append(Sample(agents, agent, setting.label, setting.rule, setting.ratio, setting.check_layer,
                               setting.screen_layer, len(ids), stats.reused_tokens, stats.kept_tokens, stats.token_layers,
-                              stats.full_token_layers, kl, top1, top5, common_prefix(reference, cont), len(reference)))
+                              stats.full_token_layers, kl, mean_or_none(decode_kls), top1, top5,
+                              common_prefix(reference, cont), len(reference), decode_kls))
 
     kv = reused_kv.clone()
     logits, stats = runner.prefill(ids, kv, runs, BlendOptions())
@@ -271,8 +350,7 @@ def evaluate_prompt(runner: QualityRunner, prompt: SegmentedPrompt, store: Segme
                 hidden, stats = finish(runner.model, kv, checked, select(checked, rule, options), options)
                 record(setting, runner.model.logits(hidden[-1]), kv, stats)
     for setting in filter(None, (screened_setting(config, r) for r in config.ratios)):  # own probes
-        kv = reused_kv.clone()
-        logits, stats = runner.prefill(ids, kv, runs, setting.options(config.options), rule_named(setting.rule))
+        logits, kv, stats, _ = runner.run_setting(prompt, store, setting, config.options, room)
         record(setting, logits, kv, stats)
     return samples
 
@@ -314,15 +392,11 @@ def simulate(runner: QualityRunner, sim: Simulation, setting: Setting, options: 
     their authors' KV (all but the last token, as the server does)."""
     store = runner.seed_store(sim)
     blocks, rounds = list(sim.seed_messages), []
-    rule = None if setting.rule in (PLAIN, FULL) else rule_named(setting.rule)
-    blend = setting.options(options)
     for r in range(sim.config.num_rounds):
         outputs = []
         for i in range(len(sim.agents)):
             prompt = runner.agent_prompt(sim, i, r, blocks)
-            kv = runner.new_kv(len(prompt.input_ids) + steps)
-            runs = [] if setting.rule == FULL else store.place(prompt, kv)
-            logits, _ = runner.prefill(prompt.input_ids, kv, runs, blend if runs else BlendOptions(), rule)
+            logits, kv, _, _ = runner.run_setting(prompt, store, setting, options, len(prompt.input_ids) + steps)
             out = runner.greedy(kv, len(prompt.input_ids), logits, steps)
             outputs.append(out)
             text = runner.tokenizer.decode(out, skip_special_tokens=True)
@@ -398,10 +472,12 @@ def summarize(samples: Iterable[Sample]) -> list[dict]:
     for (agents, setting), group in groups.items():
         n = len(group)
         reused = sum(s.reused_tokens for s in group)
+        decode = [s.decode_kl for s in group if s.decode_kl is not None]
         rows.append({
             "agents": agents, "setting": setting, "rule": group[0].rule, "ratio": group[0].ratio,
             "check_layer": group[0].check_layer, "screen_layer": group[0].screen_layer,
-            "kl": sum(s.kl for s in group) / n, "kl_max": max(s.kl for s in group),
+            "first_kl": mean_or_none(s.first_kl for s in group), "first_kl_max": max(s.first_kl for s in group),
+            "decode_kl": mean_or_none(decode), "decode_kl_max": max(decode, default=None),
             "top1": sum(s.top1 for s in group) / n, "top5": sum(s.top5 for s in group) / n,
             "common_prefix": sum(s.common_prefix for s in group) / n,
             "recomputed_share": sum(s.kept_tokens for s in group) / max(reused, 1),
@@ -409,6 +485,23 @@ def summarize(samples: Iterable[Sample]) -> list[dict]:
             "prompt_tokens": sum(s.prompt_tokens for s in group) / n, "reused_tokens": reused / n,
         })
     return rows
+
+
+def decode_kl_by_step(samples: Sequence[Sample], setting: str, windows: Sequence[tuple[int, int]]) -> list[dict]:
+    """Mean decode-step KL of `setting` per N over windows [first, last] of decode steps
+    (1-based): how the KL evolves along the continuation."""
+    rows = []
+    for agents in sorted({s.agents for s in samples if s.setting == setting}):
+        group = [s for s in samples if s.setting == setting and s.agents == agents]
+        rows.append({"agents": agents, "setting": setting, **{
+            f"steps {a}-{b}": mean_or_none(kl for s in group for kl in s.decode_kls[a - 1:b]) for a, b in windows}})
+    return rows
+
+
+def mean_or_none(values: Iterable[float]) -> float | None:
+    """The mean, or None for no values (a metric that did not apply)."""
+    values = list(values)
+    return sum(values) / len(values) if values else None
 
 
 def sample_dicts(samples: Iterable[Sample]) -> list[dict]:

@@ -1,0 +1,40 @@
+"""bench_quality --server's path against one real TokenDance server (SmolLM2, small prompts):
+the server's blended answers carry the same truncated KL and reuse counts as the in-process
+blend on the same prompt. The reference is the same server before any segment is cached (no
+hit: SGLang's own full prefill), with one measured prompt, so nothing it caches is reused."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang_tokendance.bench.quality import QualityRunner, Setting
+from sglang_tokendance.bench.quality_server import Prompts, ServerConfig, Workload, answer, compare_all
+from sglang_tokendance.server_process import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+SETTING = Setting("attention-kv", 0.3, 5, 1)  # the server's defaults
+CONFIG = ServerConfig(settings=(SETTING,), workloads=(Workload(3, 30),), chunked_prefill=0, prompts_per_n=1,
+                      decode_steps=6, top_k=10, history_words=40)
+
+
+@pytest.fixture(scope="module")
+def server_url(smollm2_path):
+    with ServerProcess([]) as proc:
+        yield proc.url
+
+
+def test_server_blend_matches_in_process(server_url, smollm2_path):
+    runner = QualityRunner(str(smollm2_path))
+    workload = CONFIG.workloads[0]
+    prompts = Prompts(runner, CONFIG, workload)
+    reference = {(workload.label, 0): answer(server_url, prompts, CONFIG, seed=False, desc="full")[0]}
+    blended = {(SETTING.label, workload.label, 0): answer(server_url, prompts, CONFIG, True, "blended")[0]}
+    assert reference[workload.label, 0].reuse.get("segment_hits", 0) == 0
+    (sample,) = compare_all(CONFIG, runner, {workload: prompts}, reference, blended)
+    assert sample.same_prompt and sample.server_hits == sample.inproc_hits == workload.agents
+    assert (sample.server_reused, sample.server_recomputed) == (sample.inproc_reused, sample.inproc_recomputed)
+    assert sample.noise_first_tkl < 1e-4 and sample.server_first_tkl > 1e-5  # reuse from elsewhere shows
+    assert sample.server_first_tkl == pytest.approx(sample.inproc_first_tkl, rel=0.05, abs=1e-4)
+    if sample.steps_compared:
+        assert sample.server_decode_tkl == pytest.approx(sample.inproc_decode_tkl, rel=0.05, abs=1e-4)
