@@ -133,3 +133,24 @@ def test_attention_mass_is_what_the_unmarked_queries_pay_the_marked_keys(compute
         want[rank:rank + paid.numel()] = paid
         token += positions.numel()
     torch.testing.assert_close(mass, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_the_log_sum_exp_of_other_devices_equals_the_cpu_kernels(masked):
+    """Off the CPU the attention mass's log-sum-exp is computed from the logits again
+    (logsumexp_of); it must equal the one the CPU flash kernel returns with its output."""
+    from sglang_tokendance.core.attention import logsumexp_of, sdpa_with_lse
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(2, HEADS, 5, D, generator=gen), torch.randn(2, KV_HEADS, 5, D, generator=gen), \
+        torch.randn(2, KV_HEADS, 5, D, generator=gen)
+    attn_mask = None
+    if masked:
+        visible = torch.rand(2, 1, 5, 5, generator=gen) > 0.4
+        visible[..., 0] = True  # every query sees a key
+        attn_mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
+    out, lse = sdpa_with_lse(q, k, v, attn_mask, SCALE)
+    torch.testing.assert_close(logsumexp_of(q, k, attn_mask, SCALE), lse.float(), atol=1e-5, rtol=1e-5)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=not masked, scale=SCALE,
+                                              enable_gqa=True)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)

@@ -75,7 +75,8 @@ def test_every_setting_against_the_full_prefill(runner):
     assert by[PLAIN].first_kl > 1e-6  # the blocks' KV came from their authors' contexts
     assert by[PLAIN].decode_kl > 1e-6 and min(by[PLAIN].decode_kls) > 0  # and decoding sees it at every step
     for s in samples:
-        assert len(s.decode_kls) == CONFIG.decode_steps and s.decode_kl == pytest.approx(sum(s.decode_kls) / len(s.decode_kls))
+        assert len(s.decode_kls) == CONFIG.decode_steps
+        assert s.decode_kl == pytest.approx(sum(s.decode_kls) / len(s.decode_kls))
         if s.ratio == 1.0:  # a full prefill: same distribution, same continuation, same decoding
             assert s.first_kl < 1e-6 and s.top1 and s.common_prefix == s.continuation_tokens > 0, s.setting
             assert max(s.decode_kls) < 1e-6, s.setting
@@ -102,7 +103,8 @@ def test_cli_writes_results(tmp_path, tiny_path):
 
     out = tmp_path / "quality.jsonl"
     bench_quality.main(["--model-path", str(tiny_path), "--num-agents", "2", "--rules", "cacheblend-k",
-                        "--ratios", "0.5", "--check-layers", "1,2", "--continuation-tokens", "4", "--simulation-agents", "2",
+                        "--ratios", "0.5", "--check-layers", "1,2", "--continuation-tokens", "4",
+                        "--simulation-agents", "2",
                         "--simulation-rounds", "1", "--history-words", "20", "--block-words", "25",
                         "--output-file", str(out)])
     kinds = {json.loads(line)["kind"] for line in out.read_text().splitlines()}

@@ -38,8 +38,9 @@ def cached_segment(model: HFLayerwise, ids: torch.Tensor, context: torch.Tensor)
     _, kv = full_prefill(model, source)
     at = torch.arange(context.numel(), source.numel())
     spec = RopeSpec.from_hf_config(model.lm.config)
-    k = torch.stack([unrotate(kv.keys(l)[at], at, spec) for l in range(model.num_layers)])
-    return k, torch.stack([kv.values(l)[at] for l in range(model.num_layers)])
+    layers = range(model.num_layers)
+    k = torch.stack([unrotate(kv.keys(layer)[at], at, spec) for layer in layers])
+    return k, torch.stack([kv.values(layer)[at] for layer in layers])
 
 
 def reuse_row(model: HFLayerwise, ids: torch.Tensor, segment) -> tuple[DenseKV, RequestRow]:

@@ -175,8 +175,8 @@ def compare(args, systems: Systems, config: WorkloadConfig) -> tuple[list[dict],
     if not args.no_plot:
         stem = args.output_file.with_suffix("")
         report.plot_lines(Path(f"{stem}_round_latency.png"), "Round latency", "round", "seconds",
-                          {s["mode"]: (list(s["round_latency_by_round_s"]), list(s["round_latency_by_round_s"].values()))
-                           for s in summaries})
+                          {s["mode"]: (list(by_round), list(by_round.values()))
+                           for s in summaries for by_round in [s["round_latency_by_round_s"]]})
         report.plot_lines(Path(f"{stem}_kv_usage.png"), "KV cache in use", "seconds", "tokens",
                           {r.mode: ([t for t, _ in r.kv_usage], [u for _, u in r.kv_usage]) for r in results})
     return records, sections
@@ -281,7 +281,8 @@ def prefill_sweep(args, systems: Systems, config: WorkloadConfig) -> tuple[list[
                     flush_cache(urls[m.name])
                     result = run(m, urls[m.name], session, 1, float("inf"), f"{m.name} N={n} #{rep}", True)
                     results.setdefault((m.name, n), []).append(result)
-                    records += [{"type": "request", "mode": m.name, "repeat": rep, **asdict(r)} for r in result.requests]
+                    records += [{"type": "request", "mode": m.name, "repeat": rep, **asdict(r)}
+                                for r in result.requests]
                     records += [{"type": "round", "mode": m.name, "repeat": rep, **asdict(r)} for r in result.rounds]
     rows = prefill_rows(modes, args.agents, results, layers)
     records += [{"type": "idle", **i} for i in idles] + [{"type": "prefill_summary", **r} for r in rows]
@@ -317,7 +318,8 @@ def prefill_rows(modes: list[Mode], agents: list[int], results: dict[tuple[str, 
                 "work_fraction": sum(token_layers(q, options, layers) for q in reqs) / full,
                 "mean_prefill_s": mean_prefill(m.name, n, True),
                 "round0_time_fraction": mean_prefill(m.name, n, False) / mean_prefill(base, n, False),
-                "prompt_tokens": sum(q.prompt_tokens for q in reqs), "cached_tokens": sum(q.cached_tokens for q in reqs),
+                "prompt_tokens": sum(q.prompt_tokens for q in reqs),
+                "cached_tokens": sum(q.cached_tokens for q in reqs),
                 "reused_tokens": sum(q.reused_tokens for q in reqs),
                 "recomputed_tokens": sum(q.recomputed_tokens for q in reqs),
             })

@@ -38,7 +38,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--block-words", type=int, default=80)
     p.add_argument("--seed", type=int, default=101, help="held out from the other benchmarks' seeds")
     p.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
-    p.add_argument("--server-args", default="--chunked-prefill-size 16384 --mem-fraction-static 0.5", help="extra flags for every server")
+    p.add_argument("--server-args", default="--chunked-prefill-size 16384 --mem-fraction-static 0.5",
+                   help="extra flags for every server")
     p.add_argument("--output", type=Path, default=Path("benchmark/results/profile.md"))
     p.add_argument("--render", action="store_true", help="only rebuild the Markdown from a previous run's files")
     return p.parse_args(argv)

@@ -142,7 +142,8 @@ def blend_options(args: argparse.Namespace) -> BlendOptions:
 
 
 def config_from(args: argparse.Namespace) -> QualityConfig:
-    return QualityConfig(num_agents=args.num_agents, prompts_per_n=args.prompts_per_n, rules=args.rules, ratios=args.ratios,
+    return QualityConfig(num_agents=args.num_agents, prompts_per_n=args.prompts_per_n, rules=args.rules,
+                         ratios=args.ratios,
                          check_layers=args.check_layers, oracle=not args.no_oracle, options=blend_options(args),
                          screen_layer=args.screen_layer,
                          continuation_tokens=args.continuation_tokens, decode_steps=args.decode_steps,

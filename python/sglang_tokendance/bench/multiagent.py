@@ -81,6 +81,7 @@ class RequestRecord:
     text: str = field(repr=False)
     recomputed_tokens: int = 0  # reused tokens the blended prefill computed again
     computed_tokens: int = 0  # every prompt token the forward computed (0 on stock servers)
+    segment_hits: int = 0  # cached segments the request reused
 
 
 @dataclass
@@ -197,6 +198,7 @@ async def run_session(http, url: str, mode: Mode, sim: Simulation, session: int,
                 session, round_index, agent, ttft, req_latency, meta["prompt_tokens"],
                 meta.get("cached_tokens", 0), meta["completion_tokens"], reuse.get("reused_tokens", 0),
                 last["text"], reuse.get("recomputed_tokens", 0), reuse.get("computed_tokens", 0),
+                reuse.get("segment_hits", 0),
             ))
         if prefill_only:
             blocks = await register_stand_ins(http, url, mode, sim, round_index, blocks)

@@ -130,7 +130,8 @@ class SegmentStore:
         if segment_hash in self.entries or n <= 0:
             return
         at = torch.arange(start, start + n)
-        self.entries[segment_hash] = (torch.stack([unrotate(kv.k[l, at], at, self.spec) for l in range(kv.k.shape[0])]),
+        self.entries[segment_hash] = (torch.stack([unrotate(kv.k[layer, at], at, self.spec)
+                                                  for layer in range(kv.k.shape[0])]),
                                       kv.v[:, at].clone())
 
     def place(self, prompt: SegmentedPrompt, kv: DenseKV) -> list[tuple[int, int]]:
@@ -325,7 +326,8 @@ def evaluate_prompt(runner: QualityRunner, prompt: SegmentedPrompt, store: Segme
         decode_kls = kl_rows(full_decode, runner.extend(kv, forced, len(ids))).tolist()
         cont = runner.greedy(kv, len(ids), logits, steps)
         samples.append(Sample(agents, agent, setting.label, setting.rule, setting.ratio, setting.check_layer,
-                              setting.screen_layer, len(ids), stats.reused_tokens, stats.kept_tokens, stats.token_layers,
+                              setting.screen_layer, len(ids), stats.reused_tokens, stats.kept_tokens,
+                              stats.token_layers,
                               stats.full_token_layers, kl, mean_or_none(decode_kls), top1, top5,
                               common_prefix(reference, cont), len(reference), decode_kls))
 

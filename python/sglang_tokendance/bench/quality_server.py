@@ -334,7 +334,8 @@ def compare(workload: Workload, agent: int, setting: Setting, prompt: SegmentedP
         common_prefix(ref.ids, blended.ids), common_prefix(full.greedy, mine.greedy),
         blended.reuse.get("reused_tokens", 0), blended.reuse.get("recomputed_tokens", 0),
         blended.reuse.get("segment_hits", 0), mine.reused, mine.recomputed, mine.hits,
-        float(kl_rows(full.logits[0], mine.logits[0])), mean_or_none(kl_rows(full.logits[1:], mine.logits[1:]).tolist()),
+        float(kl_rows(full.logits[0], mine.logits[0])),
+        mean_or_none(kl_rows(full.logits[1:], mine.logits[1:]).tolist()),
         truncated_kl(ref.tops[0], full.tops[0]), mean_or_none(step_kls(ref.tops, full.tops, forced)),
         common_prefix(ref.ids, full.greedy))
 
@@ -373,8 +374,8 @@ def compare_all(config: ServerConfig, runner: QualityRunner, workloads: dict[Wor
             full = in_process(runner, prompt, store, Setting(FULL), config, ref.ids)
             for setting in settings:
                 mine = in_process(runner, prompt, store, setting, config, ref.ids)
-                samples.append(compare(workload, i, setting, prompt, config, ref, blended[setting.label, workload.label, i],
-                                       full, mine))
+                answer = blended[setting.label, workload.label, i]
+                samples.append(compare(workload, i, setting, prompt, config, ref, answer, full, mine))
     return samples
 
 

@@ -160,12 +160,29 @@ def attend(grid: Grid, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: 
 def sdpa_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """SDPA ([B, heads, Lq, d], GQA keys; mask None: causal by index) and its log-sum-exp
-    [B, heads, Lq], both from one pass of the CPU flash kernel (the kernel SDPA runs on the CPU)."""
-    if q.device.type != "cpu":
-        raise NotImplementedError("the attention mass needs the CPU flash kernel's log-sum-exp; "
-                                  "another device's kernel that returns it plugs in here")
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, mask is None,
-                                                                      attn_mask=mask, scale=scale)
+    [B, heads, Lq]: on the CPU both from one pass of the flash kernel SDPA runs there; on other
+    devices (until a kernel that returns it plugs in here) SDPA, then the log-sum-exp of the
+    same logits computed again (`logsumexp_of`)."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, mask is None,
+                                                                              attn_mask=mask, scale=scale)
+        return out, lse
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                         enable_gqa=True)
+    return out, logsumexp_of(q, k, mask, scale)
+
+
+def logsumexp_of(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """[B, heads, Lq] log-sum-exp of the attention logits, mask applied (None: causal by index;
+    GQA: query head h reads key head h // group)."""
+    rows, heads, lq, d = q.shape
+    kv_heads, lk = k.shape[1], k.shape[2]
+    logits = (q.reshape(rows, kv_heads, -1, d) @ k.transpose(-1, -2)).view(rows, heads, lq, lk) * scale
+    if mask is None:
+        logits = logits.masked_fill(torch.ones(lq, lk, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    else:
+        logits = logits + mask
+    return logits.float().logsumexp(-1)
 
 
 def attention_mass(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, plan: MassPlan,
