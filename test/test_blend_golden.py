@@ -3,7 +3,8 @@ ratio 1 and several selections, must give the hidden states, kept masks, work co
 final KV that the first implementation gave (test/data/blend_golden.pt, written by commit
 19e66e1's core/blend with `python test/test_blend_golden.py --write`). Rewrites of the
 blended prefill's internals (batched attention, scratch KV, one-pass attention mass) must
-not change what it computes."""
+not change what it computes. Mirror storage (K kept un-rotated, rotated on read) must compute
+the same as dense storage, selections included."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import torch
 
 from sglang_tokendance.bench.hf_layerwise import DenseKV, HFLayerwise, full_prefill
 from sglang_tokendance.core.blend import BlendOptions, ReusedRun, RequestRow, blended_prefill
+from sglang_tokendance.core.rope import RopeSpec, rotate, unrotate
+from sglang_tokendance.core.rope_attention import RopeOnRead
 from sglang_tokendance.core.selection import rule_named
 from sglang_tokendance.tiny_models import tiny_config
 
@@ -75,14 +78,33 @@ def batch(model: HFLayerwise) -> tuple[torch.Tensor, torch.Tensor, list[RequestR
     return torch.cat(ids), torch.cat(positions), rows, kv
 
 
+def rotate_rows(kv: DenseKV, rows: list[RequestRow], turn) -> DenseKV:
+    """A copy of `kv` whose K of every row's slots went through `turn` at the row's positions."""
+    out = kv.clone()
+    for row in rows:
+        positions = torch.arange(row.slots.numel())
+        for layer in range(out.k.shape[0]):
+            out.k[layer, row.slots] = turn(kv.k[layer, row.slots], positions)
+    return out
+
+
 @torch.no_grad()
-def outputs(arch: str) -> dict[str, dict[str, torch.Tensor]]:
+def outputs(arch: str, mirror: bool = False) -> dict[str, dict[str, torch.Tensor]]:
+    """Every scenario's results; with `mirror`, on the pool kept un-rotated (its final K is
+    handed back rotated, to compare)."""
     model = tiny(arch)
     ids, positions, rows, pool = batch(model)
+    spec = RopeSpec.from_hf_config(model.lm.config)
+    rope_on_read = RopeOnRead(spec) if mirror else None
+    if mirror:
+        pool = rotate_rows(pool, rows, lambda k, p: unrotate(k, p, spec))
     got = {}
     for name, (options, rule) in SCENARIOS.items():
         kv = pool.clone()
-        hidden, stats = blended_prefill(model, kv, ids, positions, rows, options, rule and rule_named(rule))
+        hidden, stats = blended_prefill(model, kv, ids, positions, rows, options, rule and rule_named(rule),
+                                        rope_on_read)
+        if mirror:
+            kv = rotate_rows(kv, rows, lambda k, p: rotate(k, p, spec))
         got[name] = {"hidden": hidden, "k": kv.k, "v": kv.v,
                      "kept": stats.kept if stats.kept is not None else torch.zeros(0, dtype=torch.bool),
                      "work": torch.tensor([stats.token_layers, stats.full_token_layers, stats.reused_tokens,
@@ -103,6 +125,16 @@ def test_outputs_match_the_first_implementation(arch, golden):
         assert torch.equal(got[name]["work"], want["work"]), name
         for key in ("hidden", "k", "v"):
             torch.testing.assert_close(got[name][key], want[key], atol=2e-5, rtol=2e-5, msg=f"{name} {key}")
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_mirror_storage_computes_what_dense_storage_computes(arch):
+    dense, mirror = outputs(arch), outputs(arch, mirror=True)
+    for name, want in dense.items():
+        assert torch.equal(mirror[name]["kept"], want["kept"]), name
+        assert torch.equal(mirror[name]["work"], want["work"]), name
+        for key in ("hidden", "k", "v"):
+            torch.testing.assert_close(mirror[name][key], want[key], atol=5e-5, rtol=5e-5, msg=f"{name} {key}")
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--write"]:

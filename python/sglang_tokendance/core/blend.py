@@ -28,7 +28,12 @@ layouts are built once. The probe never overwrites the reused tokens' cached KV:
 recomputed KV goes to attention as an overlay (scratch) and reaches the pool only where it is
 kept; the attention mass a rule needs comes from the check layer's own attention pass.
 The model and the KV storage come in through two small protocols, so the same code runs
-inside SGLang (srt/model.py) and in the quality harness (bench/).
+inside SGLang (srt/model.py) and in the quality harness (bench/). A store that keeps K
+un-rotated (mirror storage, core/rope_attention) is passed `rope_on_read`: every K the layers
+compute is un-rotated before it is written or overlaid, and attention rotates the keys it
+reads by their positions in the reader's row. The rules then compare un-rotated K, whose
+deviations equal the rotated ones' (rotations keep norms; YaRN's attention factor scales
+every K deviation alike).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from typing import Any, NamedTuple, Protocol, Sequence
 import torch
 
 from sglang_tokendance.core.attention import Grid, attend, plan_grids
+from sglang_tokendance.core.rope_attention import RopeOnRead
 from sglang_tokendance.core.selection import CheckState, ReusedSegment, SelectionRule, select_kept
 
 
@@ -126,11 +132,12 @@ class BlendStats:
 
 
 def blended_prefill(model: LayerwiseModel, kv: KVStore, ids: torch.Tensor, positions: torch.Tensor,
-                    requests: Sequence[RequestRow], options: BlendOptions,
-                    rule: SelectionRule | None) -> tuple[torch.Tensor, BlendStats]:
+                    requests: Sequence[RequestRow], options: BlendOptions, rule: SelectionRule | None,
+                    rope_on_read: RopeOnRead | None = None) -> tuple[torch.Tensor, BlendStats]:
     """Final normed hidden states [tokens, hidden] (zeros at rows not computed: reused tokens
-    not kept) for the flattened extend tokens of `requests`."""
-    batch = _Batch(requests, positions, ids)
+    not kept) for the flattened extend tokens of `requests`; `rope_on_read` when `kv` keeps K
+    un-rotated."""
+    batch = _Batch(requests, positions, ids, rope_on_read)
     if not batch.stats.reused_tokens or options.recompute_ratio <= 0:
         computed = ~batch.reused
         return _run_layers(model, kv, batch, model.embed(ids[computed]), computed, 0, batch.stats)
@@ -140,7 +147,7 @@ def blended_prefill(model: LayerwiseModel, kv: KVStore, ids: torch.Tensor, posit
         kept = torch.ones(batch.stats.reused_tokens, dtype=torch.bool, device=ids.device)
         stats = dataclasses.replace(batch.stats, kept=kept, kept_tokens=batch.stats.reused_tokens)
         return _run_layers(model, kv, batch, model.embed(ids), torch.ones_like(batch.reused), 0, stats)
-    checked = probe(model, kv, ids, positions, requests, rule, options)
+    checked = probe(model, kv, ids, positions, requests, rule, options, rope_on_read)
     return finish(model, kv, checked, select(checked, rule, options), options)
 
 
@@ -170,7 +177,8 @@ class Probe:
 
 
 def probe(model: LayerwiseModel, kv: KVStore, ids: torch.Tensor, positions: torch.Tensor,
-          requests: Sequence[RequestRow], rule: SelectionRule, options: BlendOptions) -> Probe:
+          requests: Sequence[RequestRow], rule: SelectionRule, options: BlendOptions,
+          rope_on_read: RopeOnRead | None = None) -> Probe:
     """Layers 0..c on every token: the fresh tokens' KV written, the reused tokens' recomputed
     KV kept next to their cached KV in the CheckState (for scoring, and for `finish` to write
     where it is kept).
@@ -182,7 +190,7 @@ def probe(model: LayerwiseModel, kv: KVStore, ids: torch.Tensor, positions: torc
     c, s = options.check_layer, options.screen_layer if options.screened else 0
     if not 1 <= c < model.num_layers:
         raise ValueError(f"check layer must be in [1, {model.num_layers - 1}], got {c}")
-    batch = _Batch(requests, positions, ids)
+    batch = _Batch(requests, positions, ids, rope_on_read)
     checked = Probe(batch, c, torch.arange(ids.shape[0], device=ids.device), model.embed(ids), CheckState(),
                     torch.ones(batch.stats.reused_tokens, dtype=torch.bool, device=ids.device))
     if s:
@@ -280,6 +288,9 @@ def _layer(model, kv, stage: "_Stage", layer: int, hidden: torch.Tensor, mass: t
     """One layer for the stage's tokens: the KV of those not scratch written, one batched
     attention per grid (the scratch tokens' KV overlaid), `mass` filled when given."""
     q, k, v = model.qkv(layer, hidden, stage.rotary)
+    rope_on_read = stage.rope_on_read
+    if rope_on_read is not None:
+        k = rope_on_read.unrotate(k, stage.positions)
     if stage.final is None:
         kv.write(layer, stage.locs, k, v)
     else:
@@ -287,7 +298,7 @@ def _layer(model, kv, stage: "_Stage", layer: int, hidden: torch.Tensor, mass: t
     keys, values, scale = kv.keys(layer), kv.values(layer), model.attention_scale(layer)
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
     for grid in stage.grids:
-        out[grid.tokens] = attend(grid, q, k, v, keys, values, scale, mass_out=mass)
+        out[grid.tokens] = attend(grid, q, k, v, keys, values, scale, key_transform=rope_on_read, mass_out=mass)
     return model.finish_layer(layer, hidden, out.flatten(1)), k, v
 
 
@@ -300,15 +311,17 @@ class _Stage:
 
     def __init__(self, model, batch: "_Batch", rows: torch.Tensor, scratch: torch.Tensor | None = None,
                  mass: bool = False):
+        self.rope_on_read = batch.rope_on_read
         self.rows = rows
         self.locs = batch.locs[rows]
-        self.rotary = model.rotary(batch.positions[rows])
+        self.positions = batch.positions[rows]
+        self.rotary = model.rotary(self.positions)
         scratch = torch.zeros_like(rows, dtype=torch.bool) if scratch is None else scratch
         self.scratch_tokens = scratch.nonzero().squeeze(1)
         self.scratch_locs = self.locs[self.scratch_tokens]
         self.final = (~scratch).nonzero().squeeze(1) if self.scratch_tokens.numel() else None  # None: all
         self.final_locs = None if self.final is None else self.locs[self.final]
-        self.grids: list[Grid] = plan_grids(batch.request[rows], batch.positions[rows], batch.kv_rows,
+        self.grids: list[Grid] = plan_grids(batch.request[rows], self.positions, batch.kv_rows,
                                             overlay=scratch, mass=mass)
 
     def new_mass(self) -> torch.Tensor:
@@ -316,10 +329,12 @@ class _Stage:
 
 
 class _Batch:
-    """Index bookkeeping of a flattened extend batch, built once."""
+    """Index bookkeeping of a flattened extend batch, built once, and the form of its store's K."""
 
-    def __init__(self, requests: Sequence[RequestRow], positions: torch.Tensor, ids: torch.Tensor):
+    def __init__(self, requests: Sequence[RequestRow], positions: torch.Tensor, ids: torch.Tensor,
+                 rope_on_read: RopeOnRead | None):
         self.requests = list(requests)
+        self.rope_on_read = rope_on_read
         self.positions = positions
         counts = [r.num_tokens for r in self.requests]
         self.starts = [sum(counts[:i]) for i in range(len(counts))]
