@@ -116,8 +116,8 @@ def test_segment_copy_stores_unrotated_k_and_same_v():
 
     import torch
 
-    from sglang_tokendance.core.rope import RopeSpec, rotate, unrotate
-    from sglang_tokendance.srt.kv_copy import copy_kv
+    from sglang_tokendance.core.rope import RopeSpec, rotate
+    from sglang_tokendance.srt.kv_copy import PoolKeys, copy_kv
 
     spec = RopeSpec(head_dim=8, rotary_dim=8, base=10000.0)
     raw_k = torch.randn(2, 5, 3, 8)  # layers, tokens, heads, dim
@@ -132,7 +132,7 @@ def test_segment_copy_stores_unrotated_k_and_same_v():
     pool = SimpleNamespace(start_layer=0, layer_num=2, get_key_buffer=k_buffers.__getitem__,
                            get_value_buffer=v_buffers.__getitem__)
     dst = torch.tensor([12, 13, 14, 15, 16])
-    copy_kv(pool, src, dst, positions, unrotate, spec)
+    copy_kv(pool, src, dst, positions, PoolKeys(spec).unrotated)
     for layer in range(2):
         assert torch.allclose(k_buffers[layer][dst], raw_k[layer], atol=1e-5)
         assert torch.equal(v_buffers[layer][dst], values[layer])

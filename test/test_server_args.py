@@ -182,11 +182,63 @@ def test_plain_float_kv_caches_and_gpu_without_prefill_graphs_pass():
     assert not given(with_defaults(["--model-path", "m"], on_cpu=False, forest=False), "--disable-prefill-cuda-graph")
 
 
+def test_storage_flag_parses_and_validates():
+    assert parse([]).storage == "dense" and not parse([]).mirror_storage
+    assert parse(["--tokendance-storage", "mirror"]).mirror_storage
+    with pytest.raises(TokenDanceArgsError, match="--tokendance-storage"):
+        parse(["--tokendance-storage", "sparse"])
+
+
+MIRROR = TokenDanceArgs(storage="mirror")
+
+
+@pytest.mark.parametrize("args,overrides,flag,says", [
+    (MIRROR, {"attention_backend": "torch_native"}, "--attention-backend", "only the tokendance attention backend"),
+    (MIRROR, {"attention_backend": "tokendance", "decode_attention_backend": "triton"}, "--decode-attention-backend",
+     "only the tokendance attention backend"),
+    (MIRROR, {"attention_backend": "tokendance", "device": "cuda", "disable_cuda_graph": False},
+     "--disable-cuda-graph", "without CUDA graphs"),
+    (TokenDanceArgs(storage="mirror", disable_tokendance=True), {"attention_backend": "tokendance"},
+     "--tokendance-storage", "--disable-tokendance switches off"),
+    (TokenDanceArgs(), {"attention_backend": "tokendance"}, "--attention-backend", "--tokendance-storage mirror"),
+    (TokenDanceArgs(disable_tokendance=True), {"prefill_attention_backend": "tokendance"},
+     "--prefill-attention-backend", "--tokendance-storage mirror"),
+])
+def test_storage_and_attention_backend_must_agree(args, overrides, flag, says):
+    from sglang_tokendance.server_args import check_server_args
+
+    check_server_args(MIRROR, sglang_args(attention_backend="tokendance"))
+    check_server_args(MIRROR, sglang_args(attention_backend="tokendance", device="cuda", disable_cuda_graph=True))
+    with pytest.raises(TokenDanceArgsError, match=flag) as refused:
+        check_server_args(args, sglang_args(**overrides))
+    assert says in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_mirror_storage_selects_the_tokendance_attention_backend(smollm2_path):
+    argv = with_defaults(["--model-path", "m"], on_cpu=True, forest=True, mirror=True)
+    assert argv.count("--attention-backend") == 1 and argv[argv.index("--attention-backend") + 1] == "tokendance"
+    assert not given(with_defaults(["--model-path", "m"], on_cpu=False, forest=True), "--disable-cuda-graph")
+    assert given(with_defaults(["--model-path", "m"], on_cpu=False, forest=True, mirror=True), "--disable-cuda-graph")
+    mine = with_defaults(["--model-path", "m", "--attention-backend=triton"], on_cpu=True, mirror=True)
+    assert mine.count("--attention-backend=triton") == 1 and "--attention-backend" not in mine  # refused later
+
+
 def test_refused_configuration_exits_before_sglang_starts():
     result = run_launcher("--tp-size", "2")
     assert result.returncode == 2
     last = result.stderr.strip().splitlines()[-1]  # SGLang's own warnings may come before it
     assert "--tp-size" in last and "--disable-tokendance" in last
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--tokendance-storage", "mirror", "--attention-backend", "torch_native"], "only the tokendance attention"),
+    (["--attention-backend", "tokendance"], "it needs --tokendance-storage mirror"),  # a choice SGLang accepts
+])
+def test_storage_and_attention_backend_disagreeing_exit_before_sglang_starts(argv, says):
+    result = run_launcher(*argv)
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert "--attention-backend" in last and says in last
 
 
 def test_model_identity_is_computed_at_start_for_local_and_cached_hub_models(tmp_path, monkeypatch, smollm2_path):

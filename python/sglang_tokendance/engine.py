@@ -14,7 +14,13 @@ from typing import Any
 from sglang_tokendance import cpu
 from sglang_tokendance.model_store import prepared_default_model
 from sglang_tokendance.served_model import export_model_salt
-from sglang_tokendance.server_args import FOREST_BACKEND, TokenDanceArgs, check_server_args, tokendance_info
+from sglang_tokendance.server_args import (
+    ATTENTION_BACKEND,
+    FOREST_BACKEND,
+    TokenDanceArgs,
+    check_server_args,
+    tokendance_info,
+)
 
 ON_CPU = cpu.prepare_process()
 
@@ -27,6 +33,10 @@ class Engine(SGLangEngine):
         tokendance_args.export_to_env()  # read by our plugin in every spawned process
         if "model_path" not in kwargs:
             kwargs["model_path"] = str(prepared_default_model())
+        if tokendance_args.mirror_storage:  # check_server_args refuses another attention backend
+            kwargs.setdefault("attention_backend", ATTENTION_BACKEND)
+            if not ON_CPU:
+                kwargs.setdefault("disable_cuda_graph", True)
         if ON_CPU:
             for name, value in cpu.CPU_SERVER_DEFAULTS.items():
                 kwargs.setdefault(name, value)

@@ -13,7 +13,13 @@ import sys
 
 from sglang_tokendance import cpu
 from sglang_tokendance.served_model import ModelNotLocalError, export_model_salt
-from sglang_tokendance.server_args import FOREST_BACKEND, TokenDanceArgs, TokenDanceArgsError, check_server_args
+from sglang_tokendance.server_args import (
+    ATTENTION_BACKEND,
+    FOREST_BACKEND,
+    TokenDanceArgs,
+    TokenDanceArgsError,
+    check_server_args,
+)
 
 PROG = "python -m sglang_tokendance.launch_server"
 
@@ -46,11 +52,17 @@ def given(argv: list[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in argv)
 
 
-def with_defaults(argv: list[str], on_cpu: bool, forest: bool = False) -> list[str]:
+def with_defaults(argv: list[str], on_cpu: bool, forest: bool = False, mirror: bool = False) -> list[str]:
     """argv plus our defaults for every flag it does not set; `forest` makes the segment-hash
     forest the radix cache (unless the radix cache is off or another backend is chosen) and,
-    on a GPU, turns prefill CUDA graphs off (they would replay SGLang's own forward)."""
+    on a GPU, turns prefill CUDA graphs off (they would replay SGLang's own forward); `mirror`
+    (--tokendance-storage mirror) makes the tokendance attention backend the attention backend
+    (check_server_args refuses any other) and, on a GPU, turns CUDA graphs off."""
     extra: list[str] = []
+    if mirror and not given(argv, "--attention-backend"):
+        extra += ["--attention-backend", ATTENTION_BACKEND]
+    if mirror and not on_cpu and not given(argv, "--disable-cuda-graph"):
+        extra += ["--disable-cuda-graph"]
     if forest and not given(argv, "--radix-cache-backend") and not given(argv, "--disable-radix-cache"):
         extra += ["--radix-cache-backend", FOREST_BACKEND]
     if forest and not on_cpu and not given(argv, "--disable-cuda-graph"):
@@ -62,7 +74,7 @@ def with_defaults(argv: list[str], on_cpu: bool, forest: bool = False) -> list[s
     if on_cpu:
         for name, value in cpu.CPU_SERVER_DEFAULTS.items():
             flag = "--" + name.replace("_", "-")
-            if given(argv, flag):
+            if given(argv + extra, flag):
                 continue
             extra += [flag] if value is True else [flag, str(value)]
     return argv + extra
@@ -85,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     td_args.export_to_env()
     on_cpu = cpu.prepare_process()
     try:
-        sglang_argv = with_defaults(sglang_argv, on_cpu, forest=td_args.kv_enabled)
+        sglang_argv = with_defaults(sglang_argv, on_cpu, forest=td_args.kv_enabled, mirror=td_args.mirror_storage)
     except RuntimeError as e:
         sys.exit(f"{PROG}: error: {e}")
 

@@ -13,16 +13,18 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from sglang_tokendance.core.blend import BlendOptions
 from sglang_tokendance.core.segments import DEFAULT_SEPARATOR
 from sglang_tokendance.core.selection import GRANULARITIES, RULES
 
 SELECTION_RULES = tuple(RULES)
+STORAGES = ("dense", "mirror")
 
 ENV_VAR = "SGLANG_TOKENDANCE_CONFIG"
 FOREST_BACKEND = "tokendance"  # the radix-cache backend name of srt/forest.py
+ATTENTION_BACKEND = "tokendance"  # the attention backend name of srt/attention.py (mirror storage)
 
 
 class TokenDanceArgsError(ValueError):
@@ -84,6 +86,10 @@ class TokenDanceArgs:
         True, "Tokens not recomputed keep the reused KV at every layer, the probe layers included "
         "(--no-tokendance-sparse-writeback keeps the probe's recomputed KV there)."
     )
+    storage: str = _option(
+        "dense", "Form of K in the KV pool: dense (SGLang's: rotated at each token's position) or mirror "
+        "(un-rotated; the tokendance attention backend rotates keys by the reader's positions as it reads)."
+    )
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -101,7 +107,8 @@ class TokenDanceArgs:
             if value < low or (high is not None and value > high):
                 bounds = f">= {low:g}" if high is None else f"in [{low:g}, {high:g}]"
                 raise TokenDanceArgsError(flag_of(_field(name)), f"must be {bounds}, got {value}")
-        for name, choices in (("selection", SELECTION_RULES), ("selection_granularity", GRANULARITIES)):
+        for name, choices in (("selection", SELECTION_RULES), ("selection_granularity", GRANULARITIES),
+                              ("storage", STORAGES)):
             if getattr(self, name) not in choices:
                 raise TokenDanceArgsError(
                     flag_of(_field(name)), f"must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
@@ -164,6 +171,11 @@ class TokenDanceArgs:
     def kv_enabled(self) -> bool:
         return not self.disable_tokendance
 
+    @property
+    def mirror_storage(self) -> bool:
+        """K un-rotated in the KV pool, served by the tokendance attention backend."""
+        return self.storage == "mirror"
+
     def blend_options(self) -> BlendOptions:
         """The blended prefill's options (core/blend.py) from these flags."""
         return BlendOptions(recompute_ratio=self.recompute_ratio, check_layer=self.check_layer,
@@ -183,9 +195,10 @@ def check_server_args(args: TokenDanceArgs, server_args: Any) -> None:
     (absent fields take SGLang's defaults). Per-request features it does not handle (LoRA
     adapters, input embeddings, hidden-state outputs, input-token logprobs) are not refused:
     those requests take SGLang's own forward."""
+    get = lambda name, default=None: getattr(server_args, name, default)  # noqa: E731
+    _check_storage(args, get)
     if not args.kv_enabled:
         return
-    get = lambda name, default=None: getattr(server_args, name, default)  # noqa: E731
     hint = "; or pass --disable-tokendance"
     for flag, name in (("--tp-size", "tp_size"), ("--pp-size", "pp_size")):
         if (get(name) or 1) > 1:
@@ -206,6 +219,32 @@ def check_server_args(args: TokenDanceArgs, server_args: Any) -> None:
     if str(get("device") or "cuda") != "cpu" and not (get("disable_cuda_graph") or get("disable_prefill_cuda_graph")):
         raise TokenDanceArgsError("--disable-prefill-cuda-graph", "prefill CUDA graphs would replay SGLang's own "
                                                                   f"forward instead of the blended prefill{hint}")
+
+
+ATTENTION_BACKEND_FIELDS = ("attention_backend", "prefill_attention_backend", "decode_attention_backend")
+
+
+def _check_storage(args: TokenDanceArgs, get: Callable[..., Any]) -> None:
+    """The pool's K form and the attention backend must agree: only the tokendance backend
+    keeps K un-rotated and rotates it on read, and it keeps nothing else."""
+    chosen = {name: get(name) for name in ATTENTION_BACKEND_FIELDS if get(name) is not None}
+    flag = lambda name: "--" + name.replace("_", "-")  # noqa: E731
+    if not args.mirror_storage:
+        for name, value in chosen.items():
+            if value == ATTENTION_BACKEND:
+                raise TokenDanceArgsError(flag(name), f"the {ATTENTION_BACKEND} attention backend keeps K un-rotated "
+                                                      "in the KV pool; it needs --tokendance-storage mirror")
+        return
+    if not args.kv_enabled:
+        raise TokenDanceArgsError("--tokendance-storage", "mirror storage is part of TokenDance's KV machinery, "
+                                                          "which --disable-tokendance switches off")
+    for name, value in chosen.items():
+        if value != ATTENTION_BACKEND:
+            raise TokenDanceArgsError(flag(name), f"mirror storage keeps K un-rotated in the KV pool, which only "
+                                                  f"the {ATTENTION_BACKEND} attention backend reads; got {value}")
+    if str(get("device") or "cuda") != "cpu" and not get("disable_cuda_graph"):
+        raise TokenDanceArgsError("--disable-cuda-graph", f"the {ATTENTION_BACKEND} attention backend (mirror "
+                                                          "storage) runs without CUDA graphs")
 
 
 def tokendance_info(args: TokenDanceArgs) -> dict[str, Any]:

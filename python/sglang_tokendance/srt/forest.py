@@ -6,14 +6,16 @@ Besides the tree it keeps a SegmentTable keyed by (cache namespace, content hash
 request checkpoints (SGLang calls `checkpoint` after every prefill chunk and step), each of
 its shared segments whose exact KV is complete is copied, K un-rotated (core/rope), into
 slots of the same KV pool. Un-rotated K is one canonical form per hash, whatever context and
-offset the first copy came from: reuse at any position is a single `rotate`. Segments never
-cross SGLang's cache namespace (extra_key, cache_salt), the same isolation as its tree.
+offset the first copy came from: reuse at any position is a single `rotate` -- or none, under
+mirror storage, where the pool's K is un-rotated already (the copies ask the pool's K form,
+srt/kv_copy.PoolKeys). Segments never cross SGLang's cache namespace (extra_key,
+cache_salt), the same isolation as its tree.
 Segment slots count against the same KV budget and share one eviction order with the tree's
 leaves under `--radix-eviction-policy`; `/flush_cache` (reset) drops them with the tree.
 
 Reuse: after SGLang allocates a batch's slots (`restore_segments`, an AFTER hook on
 ScheduleBatch.prepare_for_extend), each request's chunk is planned (srt/reuse.py) and every
-planned run's cached KV is rotated into the request's own slots, in one copy for the batch;
+planned run's cached KV is copied into the request's own slots, in one copy for the batch;
 the model forward (srt/forward_hook.py) then runs the blended prefill on the plans. A
 request's approximate KV never enters the tree, in any chunk: it publishes only the part
 before its first reused token, and caches only segments that end before it.
@@ -34,13 +36,13 @@ from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 
 from sglang_tokendance.core.blend import BlendOptions
-from sglang_tokendance.core.rope import RopeSpec, rotate, unrotate
+from sglang_tokendance.core.rope import RopeSpec
 from sglang_tokendance.core.segment_table import SegmentEntry, SegmentTable
 from sglang_tokendance.core.segments import segment_hash
 from sglang_tokendance.core.selection import SelectionRule, rule_named
 from sglang_tokendance.served_model import model_salt_from_env
 from sglang_tokendance.server_args import TokenDanceArgs
-from sglang_tokendance.srt.kv_copy import bytes_per_token, copy_kv
+from sglang_tokendance.srt.kv_copy import PoolKeys, bytes_per_token, copy_kv
 from sglang_tokendance.srt.metrics import NO_METRICS, ForestMetrics, PrometheusForestMetrics
 from sglang_tokendance.srt.model import SUPPORTED_ARCHITECTURES
 from sglang_tokendance.srt.output_registration import output_kv_tokens, output_segment_ids
@@ -52,11 +54,11 @@ logger = logging.getLogger(__name__)
 class SegmentForest(RadixCache):
     metrics: ForestMetrics = NO_METRICS  # replaced under --enable-metrics
 
-    def __init__(self, params, rope: RopeSpec | None, reuse: bool, salt: bytes = b"",
+    def __init__(self, params, keys: PoolKeys | None, reuse: bool, salt: bytes = b"",
                  blend: BlendOptions = BlendOptions(), rule: SelectionRule | None = None,
                  min_segment_tokens: int = 16):
-        self.rope = rope
-        self.reuse = reuse and rope is not None
+        self.keys = keys  # the pool's K form; None: the model's RoPE is not supported (no segments)
+        self.reuse = reuse and keys is not None
         self.salt = salt
         self.blend, self.rule = blend, rule
         self.min_segment_tokens = min_segment_tokens
@@ -74,7 +76,7 @@ class SegmentForest(RadixCache):
 
     @property
     def caches_segments(self) -> bool:
-        return self.rope is not None and not self.disable
+        return self.keys is not None and not self.disable
 
     # --- tree + segments lifecycle ---------------------------------------------------------
 
@@ -140,14 +142,15 @@ class SegmentForest(RadixCache):
         if slots is None:
             return
         positions = torch.arange(start, start + length, device=row.device)
-        copy_kv(self.pool, row[start:start + length].to(torch.int64), slots, positions, unrotate, self.rope)
+        copy_kv(self.pool, row[start:start + length].to(torch.int64), slots, positions, self.keys.unrotated)
         self.segments.insert(key, slots, ids)
 
     # --- reuse ------------------------------------------------------------------------------
 
     def restore_segments(self, batch) -> None:
-        """Plan every request's chunk and write its cached segments' KV into its own slots:
-        one copy for the whole batch. Plans of a forward that never ran are dropped here."""
+        """Plan every request's chunk and write its cached segments' KV into its own slots, in
+        the pool's K form: one copy for the whole batch. Plans of a forward that never ran are
+        dropped here."""
         self.planned.clear()
         if not self.caches_segments:
             return
@@ -167,7 +170,7 @@ class SegmentForest(RadixCache):
                 dst.append(row[run.start:run.end].to(torch.int64))
                 positions.append(torch.arange(run.start, run.end, device=row.device))
         if src:
-            copy_kv(self.pool, torch.cat(src), torch.cat(dst), torch.cat(positions), rotate, self.rope)
+            copy_kv(self.pool, torch.cat(src), torch.cat(dst), torch.cat(positions), self.keys.pooled)
 
     def _state_of(self, req) -> RequestReuse | None:
         state = self.requests.get(req)
@@ -261,18 +264,18 @@ def build_forest(ctx: TreeCacheBuildContext) -> SegmentForest:
     if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or ctx.enable_hierarchical_cache:
         raise ValueError("the tokendance radix cache supports full-attention models without HiCache")
     hf_config = ctx.model_config.hf_config
+    args = TokenDanceArgs.from_env()
     try:
-        rope = RopeSpec.from_hf_config(hf_config)
+        keys = PoolKeys(RopeSpec.from_hf_config(hf_config), rotated=not args.mirror_storage)
     except ValueError as e:
         logger.warning("TokenDance segment caching is off for this model: %s", e)
-        rope = None
-    args = TokenDanceArgs.from_env()
+        keys = None
     architectures = list(hf_config.architectures or [])
     reuse = args.kv_enabled and len(architectures) == 1 and architectures[0] in SUPPORTED_ARCHITECTURES
     if reuse and args.recompute_ratio > 0 and args.check_layer >= hf_config.num_hidden_layers:
         raise ValueError(f"--tokendance-check-layer {args.check_layer} must be below the model's "
                          f"{hf_config.num_hidden_layers} layers")
-    forest = SegmentForest(ctx.params, rope, reuse=reuse, salt=model_salt_from_env(), blend=args.blend_options(),
+    forest = SegmentForest(ctx.params, keys, reuse=reuse, salt=model_salt_from_env(), blend=args.blend_options(),
                            rule=rule_named(args.selection), min_segment_tokens=args.min_segment_tokens)
     global ACTIVE
     ACTIVE = forest

@@ -2,9 +2,11 @@
 
 An AROUND hook on the decoder forwards of srt/model.py: such a batch runs core/blend's
 blended prefill on the requests' chunk plans (srt/reuse.py); every other batch runs SGLang's
-own forward. A batch the blended prefill cannot serve (input embeddings, captured hidden
-states) runs SGLang's forward too: it computes every token over the restored slots, so the
-plans' reused tokens are counted as recomputed.
+own forward. The blended prefill reads and writes K in the pool's form (the forest's
+`PoolKeys`: under mirror storage un-rotated, and rotated on read). A batch the blended
+prefill cannot serve (input embeddings, captured hidden states) runs SGLang's forward too: it
+computes every token over the restored slots, so the plans' reused tokens are counted as
+recomputed.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def model_forward(original, model, input_ids, positions, forward_batch, *args, *
                                                         forward_batch.req_pool_indices_cpu.tolist())]
     layers = SGLangLayers(model, forward_batch)
     hidden, stats = blended_prefill(layers, PoolKV(get_token_to_kv_pool(), layers), input_ids, positions, rows,
-                                    active.blend, active.rule)
+                                    active.blend, active.rule, active.keys.rope_on_read)
     start = 0  # stats.kept covers the batch's reused tokens in batch order
     for plan in filter(None, plans):
         n = plan.reused_tokens

@@ -1,32 +1,58 @@
-"""Copying KV between slots of SGLang's KV pool, every layer at once per call.
+"""Copying KV between slots of SGLang's KV pool, every layer at once per call, in the pool's K form.
 
 Segments are stored with K un-rotated (one canonical form per content hash, whatever
-offset the first copy came from): caching a segment copies request slots -> segment slots
-through `unrotate`, restoring one copies segment slots -> request slots through `rotate` at
-the reading request's positions. Callers gather every run of a batch into one call, and the
-K of all layers is transformed in one rotation (one cos/sin table for the call), so a copy
-costs one gather/scatter per layer and one rotation however many spans and layers it moves.
+offset the first copy came from). The pool holds K in one of two forms (`PoolKeys`): rotated
+at each token's own position (SGLang's attention backends), or un-rotated (mirror storage:
+the `tokendance` attention backend rotates keys by the reader's positions as it reads them).
+Caching a segment copies request slots -> segment slots through `PoolKeys.unrotated`,
+restoring one copies segment slots -> request slots through `PoolKeys.pooled` at the reading
+request's positions: one rotation each way in a rotated pool, K as it is in an un-rotated one.
+Callers gather every run of a batch into one call, and the K of all layers is transformed at
+once, so a copy costs one gather/scatter per layer and at most one rotation however many spans
+and layers it moves.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from sglang_tokendance.core.rope import RopeSpec
+from sglang_tokendance.core.rope import RopeSpec, rotate, unrotate
+from sglang_tokendance.core.rope_attention import RopeOnRead
 
-KTransform = Callable[[torch.Tensor, torch.Tensor, RopeSpec], torch.Tensor]
+KTransform = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (k [tokens, ..., d], positions [tokens])
 
 
-def copy_kv(pool, src: torch.Tensor, dst: torch.Tensor, positions: torch.Tensor, k_transform: KTransform,
-            rope: RopeSpec) -> None:
+@dataclass(frozen=True)
+class PoolKeys:
+    """The form of K in the KV pool: `rotated` at each token's position, or un-rotated."""
+
+    rope: RopeSpec
+    rotated: bool = True
+
+    def unrotated(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """K read from the pool at `positions`, un-rotated (a segment's form)."""
+        return unrotate(k, positions, self.rope) if self.rotated else k
+
+    def pooled(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Un-rotated K as the pool holds it at `positions`."""
+        return rotate(k, positions, self.rope) if self.rotated else k
+
+    @property
+    def rope_on_read(self) -> RopeOnRead | None:
+        """What attention over the pool does to the keys it reads (None: they are rotated already)."""
+        return None if self.rotated else RopeOnRead(self.rope)
+
+
+def copy_kv(pool, src: torch.Tensor, dst: torch.Tensor, positions: torch.Tensor, k_transform: KTransform) -> None:
     """Copy every layer's K and V from slots `src` to slots `dst` (int64, same length); K
-    passes through `k_transform(k, positions, rope)` (rotate or unrotate at `positions`)."""
+    passes through `k_transform(k, positions)` (a `PoolKeys` direction)."""
     if src.numel() == 0:
         return
     layers = range(pool.start_layer, pool.start_layer + pool.layer_num)
-    keys = k_transform(torch.stack([pool.get_key_buffer(layer)[src] for layer in layers], dim=1), positions, rope)
+    keys = k_transform(torch.stack([pool.get_key_buffer(layer)[src] for layer in layers], dim=1), positions)
     for i, layer in enumerate(layers):  # keys: [tokens, layers, kv_heads, head_dim]
         k, v = pool.get_key_buffer(layer), pool.get_value_buffer(layer)
         k[dst] = keys[:, i].to(k.dtype)

@@ -21,6 +21,7 @@ def register() -> None:
 
     prompt_interface.register(args)  # the interface stays on under --disable-tokendance
     _register_forest()
+    _register_attention()
 
     def add_tokendance_info(result: dict[str, Any], *unused, **unused_kw) -> dict[str, Any]:
         """/server_info tells clients (e.g. sgl.separator()) that TokenDance is serving."""
@@ -56,3 +57,16 @@ def _register_forest() -> None:
         reuse.output_streamer_class, HookType.REPLACE,
     )
 
+
+def _register_attention() -> None:
+    """The "tokendance" attention backend (K un-rotated in the pool, RoPE on read), a choice of
+    --attention-backend; --tokendance-storage mirror selects it (server_args checks the pair)."""
+    from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
+    from sglang.srt.layers.attention.attention_registry import register_attention_backend
+
+    from sglang_tokendance.server_args import ATTENTION_BACKEND
+    from sglang_tokendance.srt import attention
+
+    register_attention_backend(ATTENTION_BACKEND)(attention.create_backend)
+    if ATTENTION_BACKEND not in ATTENTION_BACKEND_CHOICES:
+        add_attention_backend_choices([ATTENTION_BACKEND])
