@@ -1,0 +1,102 @@
+"""--tokendance-storage mirror inside real servers (tiny random-weight Llama): the `tokendance`
+attention backend (K un-rotated in the pool, RoPE on read) answers as SGLang's torch_native
+does -- prefill, radix prefix hits, chunked prefill, decode -- and with segment reuse it
+answers as dense storage does at the same selection, and as a full prefill at ratio 1."""
+
+from __future__ import annotations
+
+import pytest
+import requests
+
+from conftest import assert_no_leak
+from sglang_tokendance.server_process import ServerProcess
+from sglang_tokendance.tiny_models import write_tiny_model
+from test_blend_server import AUTHOR, READER, output_logprobs, with_logprobs
+
+pytestmark = pytest.mark.slow
+
+CHUNK = ["--chunked-prefill-size", "32", "--tokendance-check-layer", "2"]
+PLAIN = [  # no separators; the 2nd and 4th hit the 1st's radix prefix; the last is prefilled in chunks
+    "The history of the town of Oakvale begins with a mill",
+    "The history of the town of Oakvale begins with a bridge",
+    "A different story about a sailor",
+    "The history of the town of Oakvale",
+    " ".join(["The mill ground rye and wheat for every farm along the river, year after year."] * 4),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory, smollm2_path):
+    return str(write_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama"))
+
+
+def serve(model: str, *argv: str):
+    with ServerProcess(["--model-path", model, *CHUNK, *argv]) as proc:
+        yield proc.url
+
+
+@pytest.fixture(scope="module")
+def dense_server(tiny_llama):
+    yield from serve(tiny_llama)
+
+
+@pytest.fixture(scope="module")
+def mirror_server(tiny_llama):
+    yield from serve(tiny_llama, "--tokendance-storage", "mirror")
+
+
+def plain_answers(url: str) -> list[tuple[list[int], list[float], int]]:
+    requests.post(url + "/flush_cache", timeout=60)
+    outs = [with_logprobs(url, text, "plain") for text in PLAIN]
+    outs += with_logprobs_batch(url, PLAIN[1:3])
+    return [(o["output_ids"], output_logprobs(o), o["meta_info"]["cached_tokens"]) for o in outs]
+
+
+def with_logprobs_batch(url: str, texts: list[str]) -> list[dict]:
+    body = {"text": texts, "cache_salt": ["plain"] * len(texts), "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
+    r = requests.post(url + "/generate", json=body, timeout=300)
+    r.raise_for_status()
+    return r.json()
+
+
+def test_mirror_servers_use_the_tokendance_attention_backend(dense_server, mirror_server):
+    backend = lambda url: requests.get(url + "/server_info", timeout=60).json()["attention_backend"]  # noqa: E731
+    assert (backend(dense_server), backend(mirror_server)) == ("torch_native", "tokendance")
+
+
+def test_rope_on_read_answers_as_torch_native(dense_server, mirror_server):
+    dense, mirror = plain_answers(dense_server), plain_answers(mirror_server)
+    assert [cached for _, _, cached in dense][3] > 0  # a radix hit was exercised
+    for (ids, logprobs, cached), (want_ids, want_logprobs, want_cached) in zip(mirror, dense):
+        assert (ids, cached) == (want_ids, want_cached)
+        assert logprobs == pytest.approx(want_logprobs, abs=1e-4)
+
+
+def test_mirror_reuse_answers_as_dense_reuse(dense_server, mirror_server):
+    outs = []
+    for url in (dense_server, mirror_server):
+        requests.post(url + "/flush_cache", timeout=60)
+        with_logprobs(url, AUTHOR, "round", 2)  # caches both blocks in Mira's context
+        outs.append(with_logprobs(url, READER, "round"))
+        assert_no_leak(url)
+    dense, mirror = outs
+    info = mirror["meta_info"]["tokendance"]
+    assert info["segment_hits"] == 2 and info["reused_tokens"] > 0 and info["recomputed_tokens"] > 0
+    assert {k: info[k] for k in ("reused_tokens", "recomputed_tokens")} == \
+        {k: dense["meta_info"]["tokendance"][k] for k in ("reused_tokens", "recomputed_tokens")}
+    assert mirror["output_ids"] == dense["output_ids"]
+    assert output_logprobs(mirror) == pytest.approx(output_logprobs(dense), abs=1e-4)
+
+
+def test_mirror_ratio_one_equals_a_full_prefill(tiny_llama):
+    with ServerProcess(["--model-path", tiny_llama, *CHUNK, "--tokendance-storage", "mirror",
+                        "--tokendance-recompute-ratio", "1.0"]) as server:
+        reference = with_logprobs(server.url, READER, "reference")  # nothing cached: the backend's prefill
+        with_logprobs(server.url, AUTHOR, "round", 2)
+        blended = with_logprobs(server.url, READER, "round")
+        assert_no_leak(server.url)
+    info = blended["meta_info"]["tokendance"]
+    assert info["segment_hits"] == 2 and info["reused_tokens"] == 0 and info["recomputed_tokens"] > 0
+    assert blended["output_ids"] == reference["output_ids"]
+    assert output_logprobs(blended) == pytest.approx(output_logprobs(reference), abs=2e-3)
