@@ -24,6 +24,22 @@ def test_engine_defaults_to_smollm2_and_matches_hf(hf_smollm2):
         engine.shutdown()
 
 
+def test_engine_mirror_storage_matches_hf(hf_smollm2):
+    """--tokendance-storage mirror as an Engine keyword: the tokendance attention backend (K
+    un-rotated in the pool, RoPE on read) gives HF's greedy output on SmolLM2."""
+    import sglang_tokendance
+
+    engine = sglang_tokendance.Engine(tokendance_storage="mirror", log_level="error")
+    try:
+        assert engine.get_server_info()["attention_backend"] == "tokendance"
+        prompts = ["The capital of France is", "List three animals:"]
+        outs = engine.generate(prompts, {"max_new_tokens": 16, "temperature": 0})
+        for prompt, out in zip(prompts, outs):
+            assert out["output_ids"] == hf_greedy(hf_smollm2, prompt, 16)
+    finally:
+        engine.shutdown()
+
+
 def test_engine_disabled_tokendance_keeps_the_interface(smollm2_path):
     """--disable-tokendance: markers are still stripped and segments tokenised alone."""
     import sglang_tokendance
