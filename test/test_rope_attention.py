@@ -129,6 +129,17 @@ def test_unrotate_then_read_is_the_identity_at_the_writers_position():
     torch.testing.assert_close(rope(rope.unrotate(k, positions)[None], positions)[0], k, atol=1e-5, rtol=1e-5)
 
 
+def test_the_cos_sin_table_grows_with_the_rows():
+    spec = SPECS["llama3"]
+    rope = RopeOnRead(spec)
+    for length in (10, 300, 1000):  # within the first table, then past it twice
+        k = torch.randn(2, length, KV_HEADS, D)
+        positions = torch.arange(length)
+        want = rotate(k.transpose(0, 1), positions, spec).transpose(0, 1)
+        torch.testing.assert_close(rope(k, positions), want, atol=1e-5, rtol=1e-5)
+    assert rope.table(1, torch.device("cpu"))[0].shape[0] >= 1000
+
+
 def triton_cases() -> list[tuple[str, list[int]]]:
     return [(name, lengths) for name in sorted(SPECS) for lengths in ([1, 33, 8], [70])]
 
@@ -143,7 +154,7 @@ def test_triton_decode_equals_the_torch_reference(name, lengths):
     want = row_attention(decode_grids(pool.table, pool.row_index, lengths), q, pool.unrotated, pool.values,
                          SCALE, rope)
     got = decode_attention_triton(q, pool.unrotated, pool.values, pool.table, pool.row_index,
-                                  torch.tensor(lengths, dtype=torch.int32), SCALE, rope)
+                                  torch.tensor(lengths, dtype=torch.int32), max(lengths), SCALE, rope)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 

@@ -23,22 +23,35 @@ import triton
 import triton.language as tl
 
 from sglang_tokendance.core.attention import Grid, attend, plan_grids
-from sglang_tokendance.core.rope import RopeSpec, cos_sin, rotate, unrotate
+from sglang_tokendance.core.rope import RopeSpec, cos_sin, rotate_by, unrotate
 
 
 class RopeOnRead:
-    """K kept un-rotated in the KV store; each reader rotates a key by its position in its row."""
+    """K kept un-rotated in the KV store; each reader rotates a key by its position in its row.
+    The cos/sin of row positions 0.. are computed once per device (grown as rows grow), so a
+    forward's layers do not recompute them."""
 
     def __init__(self, spec: RopeSpec):
         self.spec = spec
+        self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def table(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 cos/sin [>= length, rotary_dim // 2] of positions 0.. (core/rope.cos_sin)."""
+        cos, sin = self._tables.get(device, (None, None))
+        if cos is None or cos.shape[0] < length:
+            size = max(length, 256 if cos is None else 2 * cos.shape[0])
+            cos, sin = self._tables[device] = cos_sin(self.spec, torch.arange(size, device=device))
+        return cos, sin
 
     def unrotate(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """What the store keeps of K the model rotated at `positions` ([tokens, kv_heads, d])."""
         return unrotate(k, positions, self.spec)
 
     def __call__(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """core/attention's KeyTransform: gathered rows k [B, Lk, kv_heads, d], key j at positions[j]."""
-        return rotate(k.transpose(0, 1), positions, self.spec).transpose(0, 1)
+        """core/attention's KeyTransform: gathered rows k [B, Lk, kv_heads, d], key j at row
+        position positions[j] (< Lk)."""
+        cos, sin = self.table(k.shape[1], k.device)
+        return rotate_by(k.transpose(0, 1), cos[positions], sin[positions], self.spec).transpose(0, 1)
 
 
 def extend_grids(slot_table: torch.Tensor, row_index: torch.Tensor, prefix_lens: list[int],
@@ -76,21 +89,21 @@ def row_attention(grids: list[Grid], q: torch.Tensor, keys: torch.Tensor, values
 
 
 def decode_attention_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slot_table: torch.Tensor,
-                            row_index: torch.Tensor, lengths: torch.Tensor, scale: float,
+                            row_index: torch.Tensor, lengths: torch.Tensor, longest: int, scale: float,
                             rope: RopeOnRead) -> torch.Tensor:
     """One decode step: q [B, heads, d] (request b at position lengths[b] - 1) over the first
-    lengths[b] slots of row slot_table[row_index[b]], keys un-rotated; out [B, heads, dv]."""
+    lengths[b] (at most `longest`, known on the host) slots of row slot_table[row_index[b]],
+    keys un-rotated; out [B, heads, dv]."""
     batch, heads, head_dim = q.shape
     kv_heads, dv = keys.shape[1], values.shape[2]
     spec = rope.spec
     half = spec.rotary_dim // 2
-    longest = int(lengths.max()) if batch else 0
-    cos, sin = cos_sin(spec, torch.arange(max(longest, 1), device=q.device))
+    cos, sin = rope.table(longest, q.device)
     out = q.new_empty(batch, heads, dv)
     if batch == 0:
         return out
     _decode_kernel[(batch, heads)](
-        q, keys, values, slot_table, row_index, lengths, cos.contiguous(), sin.contiguous(), out,
+        q, keys, values, slot_table, row_index, lengths, cos, sin, out,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
         slot_table.stride(0), out.stride(0), out.stride(1), cos.stride(0), scale,
         GROUP=heads // kv_heads, HALF=half, BLOCK_HALF=triton.next_power_of_2(half), ROTARY=spec.rotary_dim,

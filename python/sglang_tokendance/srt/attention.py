@@ -43,14 +43,17 @@ class TokenDanceAttnBackend(TorchNativeAttnBackend):
         except ValueError as e:
             raise ValueError(f"--tokendance-storage mirror cannot serve this model's RoPE: {e}") from None
         self.grids: list[Grid] | None = None  # this forward's query layout; None: the fused decode kernel
+        self.longest = 0  # the fused decode kernel's longest row this forward
 
     def init_forward_metadata(self, forward_batch) -> None:
         super().init_forward_metadata(forward_batch)
         mode, table = forward_batch.forward_mode, self.req_to_token_pool.req_to_token
         if mode.is_decode():
-            on_cuda = torch.device(self.device).type == "cuda"
-            self.grids = None if on_cuda else decode_grids(table, forward_batch.req_pool_indices,
-                                                           forward_batch.seq_lens_cpu.tolist())
+            lengths = forward_batch.seq_lens_cpu
+            if torch.device(self.device).type == "cuda":
+                self.grids, self.longest = None, int(lengths.max())
+            else:
+                self.grids = decode_grids(table, forward_batch.req_pool_indices, lengths.tolist())
         elif mode.is_extend():
             self.grids = extend_grids(table, forward_batch.req_pool_indices, forward_batch.extend_prefix_lens_cpu,
                                       forward_batch.extend_seq_lens_cpu)
@@ -77,8 +80,8 @@ class TokenDanceAttnBackend(TorchNativeAttnBackend):
         values = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
         if self.grids is None:
             out = decode_attention_triton(q, keys, values, self.req_to_token_pool.req_to_token,
-                                          forward_batch.req_pool_indices, forward_batch.seq_lens, layer.scaling,
-                                          self.rope)
+                                          forward_batch.req_pool_indices, forward_batch.seq_lens, self.longest,
+                                          layer.scaling, self.rope)
         else:
             out = row_attention(self.grids, q, keys, values, layer.scaling, self.rope)
         return out.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
