@@ -15,6 +15,7 @@ and layers it moves.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable
 
 import torch
@@ -40,9 +41,10 @@ class PoolKeys:
         """Un-rotated K as the pool holds it at `positions`."""
         return rotate(k, positions, self.rope) if self.rotated else k
 
-    @property
+    @cached_property
     def rope_on_read(self) -> RopeOnRead | None:
-        """What attention over the pool does to the keys it reads (None: they are rotated already)."""
+        """What attention over the pool does to the keys it reads (None: they are rotated already);
+        one for the pool's life, so its cos/sin table is built once."""
         return None if self.rotated else RopeOnRead(self.rope)
 
 
