@@ -53,6 +53,8 @@ class Scheduler:
         batch = self.waiting_queue[:self.budget]
         self.waiting_queue = self.waiting_queue[self.budget:]
         self.batches.append([r.rid for r in batch])
+        groups = [self.policy.round_of(r) for r in batch]  # as SGLang's prepare_for_extend sees them
+        self.groups = [None if g is None else [m.rid for m in g.members] for g in groups]
         return SimpleNamespace(batch_to_run=SimpleNamespace(reqs=batch) if batch else None)
 
     def schedule(self) -> list[str]:
@@ -77,6 +79,7 @@ def test_staggered_round_is_admitted_in_one_batch_and_plain_requests_pass():
     clock.now = 0.05
     sched.waiting_queue += [req("late-plain"), c]
     assert sched.schedule() == ["a", "b", "c", "late-plain"]  # the round stands where a stood
+    assert sched.groups == [["a", "b", "c"]] * 3 + [None]  # what the blended prefill can read
     stats = sched.policy.grouper.stats()
     assert stats["largest_group_admitted"] == 3 and stats["rounds_formed"] == 1 and stats["fallbacks"] == 0
     assert stats["wait_added_s"] == pytest.approx(0.05 + 0.02) and stats["tracked_requests"] == 0
