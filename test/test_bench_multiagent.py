@@ -19,6 +19,7 @@ class FakeServer:
 
     def __init__(self):
         self.bodies: list[dict] = []
+        self.fail_every = 0  # when set, every fail_every-th request gets a 503
         self.loop = asyncio.new_event_loop()
         self.app = web.Application()
         self.app.router.add_post("/generate", self.generate)
@@ -40,6 +41,8 @@ class FakeServer:
     async def generate(self, request):
         body = await request.json()
         self.bodies.append(body)
+        if self.fail_every and len(self.bodies) % self.fail_every == 0:
+            return web.Response(status=503, text="overloaded")
         resp = web.StreamResponse()
         await resp.prepare(request)
         text = f"reply {len(self.bodies)}"
@@ -90,6 +93,25 @@ def test_rounds_feed_outputs_forward(fake, mode):
     for r in result.rounds:
         assert r.prefill <= r.latency and r.decode == pytest.approx(r.latency - r.prefill)
     assert result.summary()["peak_kv_used_tokens"] == 7
+
+
+def test_failed_requests_are_counted_and_the_round_goes_on(fake):
+    fake.bodies.clear()
+    fake.fail_every = 4
+    try:
+        config = WorkloadConfig(**{**PRESETS["generative_agents"].__dict__, "num_agents": 3, "num_rounds": 3})
+        result = asyncio.run(run_load(fake.url, MODES["tokendance"], config, 1, float("inf"), Progress()))
+    finally:
+        fake.fail_every = 0
+    assert len(fake.bodies) == 9 and len(result.errors) == 2 and all("503" in e for e in result.errors)
+    assert len(result.requests) == 7 and len(result.rounds) == 3
+    summary = result.summary()
+    assert summary["errors"] == 2 and summary["num_requests"] == 7
+    ttfts = sorted(r.ttft for r in result.requests)
+    assert ttfts[0] <= summary["p50_ttft_s"] <= summary["p99_ttft_s"] <= ttfts[-1]
+    # request 4 (round 1) failed: its agent's round-0 reply stays its message in round 2
+    last = fake.bodies[-1]["text"]
+    assert sum(f"reply {k}" in last for k in (1, 2, 3)) == 1 and "reply 5" in last and "reply 6" in last
 
 
 def test_error_answers_fail_loudly(fake):

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
+
+from sglang_tokendance import demo
 from sglang_tokendance.bench.multiagent import RequestRecord, RoundRecord, RunResult
 from sglang_tokendance.demo import round_rows
+
+HEADERS = ["side", "round", "prompt tokens", "radix prefix", "reused", "recomputed", "segment hits",
+           "round prefill s", "round s"]
 
 
 def test_round_rows_sum_each_rounds_requests():
@@ -18,3 +24,17 @@ def test_round_rows_sum_each_rounds_requests():
     assert rows[1] == {"side": "tokendance", "round": 2, "prompt tokens": 601, "radix prefix": 20, "reused": 200,
                        "recomputed": 60, "segment hits": 4, "round prefill s": 0.8, "round s": 2.8}
     assert rows[0]["reused"] == 0 and rows[0]["round prefill s"] == 1.5
+
+
+@pytest.mark.slow
+def test_the_main_command_shows_reuse_against_stock_in_one_run(smollm2_path, capsys):
+    demo.main(["--num-agents", "3", "--num-rounds", "2", "--max-new-tokens", "16"])
+    out = capsys.readouterr().out
+    assert out.count("The capital of France is Paris") == 2  # the smoke check, on both servers
+    table = {(cells[1], int(cells[2])): dict(zip(HEADERS, cells[1:]))
+             for line in out.splitlines() if line.startswith("| ") and "round" not in line.split("|")[2]
+             for cells in [[c.strip() for c in line.split("|")]]}
+    assert set(table) == {(side, r) for side in ("tokendance", "--disable-tokendance") for r in (1, 2)}
+    assert int(table["tokendance", 2]["reused"]) > 0 and int(table["tokendance", 2]["segment hits"]) > 0
+    assert int(table["--disable-tokendance", 2]["reused"]) == 0
+    assert "round 2: prefill" in out and "x faster with TokenDance" in out

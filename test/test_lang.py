@@ -8,8 +8,9 @@ from types import SimpleNamespace
 import pytest
 
 import sglang as sgl
-import sglang_tokendance.lang  # noqa: F401  (adds sgl.separator, sgl.gen(register_output=...))
+import sglang_tokendance.lang  # noqa: F401  (adds sgl.separator, sgl.gen(register_output=..., round=...))
 from sglang.lang.backend import runtime_endpoint
+from sglang_tokendance.lang import round as agent_round
 
 TOKENDANCE_INFO = {"tokendance": {"separator": "<|tokendance_sep|>"}}
 
@@ -46,10 +47,21 @@ def marked(s):
     s += "History." + sgl.separator() + " Block." + sgl.separator() + " Reply:" + sgl.gen("answer", max_tokens=4)
 
 
-def run(monkeypatch, program, server_info: dict, stream: bool = False) -> list[dict]:
-    """Run `program` on a RuntimeEndpoint to a fake server; the /generate bodies it sent."""
+@sgl.function
+def agent(s, i):
+    s += f"Agent {i}." + sgl.gen("answer", max_tokens=4)
+    s += " Again:" + sgl.gen("again", max_tokens=4, round="own")
+
+
+def fake_server(monkeypatch, server_info: dict) -> FakeServer:
     fake = FakeServer(server_info)
     monkeypatch.setattr(runtime_endpoint, "http_request", fake)
+    return fake
+
+
+def run(monkeypatch, program, server_info: dict, stream: bool = False) -> list[dict]:
+    """Run `program` on a RuntimeEndpoint to a fake server; the /generate bodies it sent."""
+    fake = fake_server(monkeypatch, server_info)
     state = program.run(backend=sgl.RuntimeEndpoint("http://fake"), stream=stream)
     if stream:
         "".join(state.text_iter())
@@ -80,3 +92,31 @@ def test_register_output_is_not_sent_to_a_server_without_tokendance(monkeypatch)
 def test_register_output_with_choices_is_an_error():
     with pytest.raises(ValueError, match="register_output"):
         sgl.gen("pick", choices=["yes", "no"], register_output=True)
+
+
+def test_round_keyword_and_block_reach_the_generate_bodies(monkeypatch):
+    fake = fake_server(monkeypatch, TOKENDANCE_INFO)
+    backend = sgl.RuntimeEndpoint("http://fake")
+    agent.run(0, backend=backend).sync()
+    assert "tokendance" not in fake.bodies[0] and fake.bodies[1]["tokendance"] == {"round": "own"}
+    fake.bodies.clear()
+    with agent_round("r1", 3):
+        agent.run_batch([{"i": i} for i in range(3)], backend=backend, num_threads=3)  # worker threads
+        agent.run(3, backend=backend).sync()
+    rounds = sorted(json.dumps(b["tokendance"]) for b in fake.bodies)
+    assert rounds == [json.dumps({"round": "own"})] * 4 + [json.dumps({"round": "r1", "round_size": 3})] * 4
+    fake.bodies.clear()
+    agent.run_batch([{"i": 0}], backend=backend)  # after the block: untagged again
+    assert "tokendance" not in fake.bodies[0]
+
+
+def test_round_is_not_sent_to_a_server_without_tokendance(monkeypatch):
+    fake = fake_server(monkeypatch, {"version": "0.5.23"})
+    with agent_round("r1", 2):
+        agent.run(0, backend=sgl.RuntimeEndpoint("http://fake")).sync()
+    assert len(fake.bodies) == 2 and all("tokendance" not in b for b in fake.bodies)
+
+
+def test_round_with_choices_is_an_error():
+    with pytest.raises(ValueError, match="round"):
+        sgl.gen("pick", choices=["yes", "no"], round="r1")

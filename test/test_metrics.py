@@ -68,12 +68,13 @@ def server(smollm2_path):
 
 
 def tokendance_metrics(url: str) -> dict[str, float]:
-    """Our series on /metrics by sample name, checked to carry the cache's labels."""
+    """The forest's series on /metrics by sample name, checked to carry the cache's labels (the
+    round policy's series carry the scheduler's: test_rounds_server)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = requests.get(url + "/metrics", timeout=60).text
     samples = [s for family in text_string_to_metric_families(text) for s in family.samples
-               if s.name.startswith("sglang:tokendance_")]
+               if s.name.startswith("sglang:tokendance_") and not s.name.startswith("sglang:tokendance_round")]
     assert all(s.labels["cache_type"] == "SegmentForest" and "tp_rank" in s.labels for s in samples)
     values = {s.name: s.value for s in samples}
     assert len(values) == len(samples)  # one series each

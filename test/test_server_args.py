@@ -35,6 +35,8 @@ def test_blend_options_parse_and_validate():
     assert (options.recompute_ratio, options.check_layer, options.granularity, options.block_size,
             options.block_head_tokens, options.sparse_writeback) == (0.5, 3, "block", 8, 2, False)
     assert args.selection == "cacheblend-k" and parse([]).sparse_writeback
+    rounds = parse(["--tokendance-round-window-ms", "250", "--tokendance-round-min-shared", "2"])
+    assert (rounds.round_window_ms, rounds.round_min_shared) == (250.0, 2)
     assert TokenDanceArgs.split_kwargs({"tokendance_sparse_writeback": False})[0].sparse_writeback is False
     for flag, value, message in [("--tokendance-recompute-ratio", "1.5", "in \\[0, 1\\]"),
                                  ("--tokendance-check-layer", "0", ">= 1"),
@@ -43,7 +45,10 @@ def test_blend_options_parse_and_validate():
                                  ("--tokendance-block-size", "0", ">= 1"),
                                  ("--tokendance-block-head-tokens", "-1", ">= 0"),
                                  ("--tokendance-screen-layer", "-1", ">= 0"),
-                                 ("--tokendance-screen-factor", "0.5", ">= 1")]:
+                                 ("--tokendance-screen-factor", "0.5", ">= 1"),
+                                 ("--tokendance-round-window-ms", "-1", "in \\[0, 60000\\]"),
+                                 ("--tokendance-round-window-ms", "1e9", "in \\[0, 60000\\]"),
+                                 ("--tokendance-round-min-shared", "-2", ">= 0")]:
         with pytest.raises(TokenDanceArgsError, match=message) as err:
             parse([flag, value])
         assert err.value.flag == flag

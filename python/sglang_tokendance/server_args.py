@@ -91,6 +91,16 @@ class TokenDanceArgs:
         "(un-rotated; the tokendance attention backend rotates keys by the reader's positions as it reads)."
     )
 
+    round_window_ms: float = _option(
+        50.0, "Longest time a round's requests are held for its missing members before they are admitted "
+        "anyway (from the round's first arrival in the scheduler); requests without a round are never held."
+    )
+    round_min_shared: int = _option(
+        0, "Infer rounds: a request without a `round` that holds at least this many shared segments joins "
+        "the requests of the last --tokendance-round-window-ms sharing that many with it, held for that window "
+        "(0: rounds are only those clients name)."
+    )
+
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
@@ -258,6 +268,7 @@ _TYPES = {"bool": bool, "int": int, "float": float, "str": str}
 _RANGES = {  # field -> (lowest, highest or None) allowed value
     "min_segment_tokens": (1, None), "max_segments": (1, None), "check_layer": (1, None), "block_size": (1, None),
     "block_head_tokens": (0, None), "screen_layer": (0, None), "screen_factor": (1, None), "recompute_ratio": (0, 1),
+    "round_window_ms": (0, 60_000), "round_min_shared": (0, None),
 }
 
 

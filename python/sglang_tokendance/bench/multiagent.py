@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, ContextManager
 
 import aiohttp
+import numpy
 
 from sglang_tokendance.bench.workloads import (Simulation, WorkloadConfig, make_simulation, message_block,
                                                stand_in_messages)
@@ -103,6 +104,7 @@ class RunResult:
     requests: list[RequestRecord] = field(default_factory=list)
     rounds: list[RoundRecord] = field(default_factory=list)
     kv_usage: list[tuple[float, int]] = field(default_factory=list)  # (seconds, used tokens)
+    errors: list[str] = field(default_factory=list)  # failed requests (HTTP error, stream error, timeout)
     wall: float = 0.0
 
     def summary(self) -> dict[str, Any]:
@@ -124,6 +126,11 @@ class RunResult:
             "mean_round_prefill_s": mean(r.prefill for r in self.rounds),
             "mean_round_decode_s": mean(r.decode for r in self.rounds),
             "mean_ttft_s": mean(q.ttft for q in self.requests),
+            "p50_ttft_s": quantile([q.ttft for q in self.requests], 0.5),
+            "p99_ttft_s": quantile([q.ttft for q in self.requests], 0.99),
+            "p50_round_latency_s": quantile([r.latency for r in self.rounds], 0.5),
+            "p99_round_latency_s": quantile([r.latency for r in self.rounds], 0.99),
+            "errors": len(self.errors),
             "mean_latency_s": mean(q.latency for q in self.requests),
             "prompt_tokens": sum(q.prompt_tokens for q in self.requests),
             "cached_tokens": sum(q.cached_tokens for q in self.requests),
@@ -131,6 +138,11 @@ class RunResult:
             "completion_tokens": sum(q.completion_tokens for q in self.requests),
             "peak_kv_used_tokens": max((u for _, u in self.kv_usage), default=0),
         }
+
+
+def quantile(xs: list[float], q: float) -> float:
+    """The q-quantile (linear interpolation, numpy's default), nan for no samples."""
+    return float(numpy.quantile(xs, q)) if xs else float("nan")
 
 
 async def stream_generate(http: aiohttp.ClientSession, url: str, body: dict) -> tuple[float, float, dict]:
@@ -186,12 +198,17 @@ async def run_session(http, url: str, mode: Mode, sim: Simulation, session: int,
         bodies = [request_body(sim, mode, a, round_index, blocks, prefill_only) for a in range(len(sim.agents))]
         with watch(round_index) if watch else contextlib.nullcontext():
             start = time.perf_counter()
-            outs = await asyncio.gather(*(stream_generate(http, url, b) for b in bodies))
+            answers = await asyncio.gather(*(stream_generate(http, url, b) for b in bodies), return_exceptions=True)
             latency = time.perf_counter() - start
-        prefill = max(ttft for ttft, _, _ in outs)
+        outs = {agent: out for agent, out in enumerate(answers) if not isinstance(out, BaseException)}
+        result.errors += [f"round {round_index} agent {agent}: {out!r}" for agent, out in enumerate(answers)
+                          if isinstance(out, BaseException)]
+        if not outs:
+            raise RuntimeError(f"every request of round {round_index} failed: {result.errors[-1]}")
+        prefill = max(ttft for ttft, _, _ in outs.values())
         result.rounds.append(RoundRecord(session, round_index, len(sim.agents), start, latency,
                                          prefill, latency - prefill))
-        for agent, (ttft, req_latency, last) in enumerate(outs):
+        for agent, (ttft, req_latency, last) in outs.items():
             meta = last["meta_info"]
             reuse = meta.get("tokendance") or {}
             result.requests.append(RequestRecord(
@@ -203,7 +220,8 @@ async def run_session(http, url: str, mode: Mode, sim: Simulation, session: int,
         if prefill_only:
             blocks = await register_stand_ins(http, url, mode, sim, round_index, blocks)
         else:
-            blocks = [message_block(out[2]["text"]) for out in outs]
+            # a failed agent's message stays what it was (the round goes on without its answer)
+            blocks = [message_block(outs[a][2]["text"]) if a in outs else blocks[a] for a in range(len(blocks))]
         progress.update(1)
 
 

@@ -1,4 +1,4 @@
-"""Method wrapping for the frontend-language extensions: SGLang's frontend has no hooks."""
+"""Wrapping for the frontend-language extensions: SGLang's frontend has no hooks."""
 
 from __future__ import annotations
 
@@ -6,15 +6,16 @@ import functools
 from typing import Any, Callable
 
 
-def wrap_method(cls: type, name: str, wrapper: Callable[..., Any]) -> None:
-    """Make `cls.name(self, ...)` call `wrapper(original, self, ...)`; once per wrapper."""
-    original = getattr(cls, name)
+def wrap_method(owner: Any, name: str, wrapper: Callable[..., Any]) -> None:
+    """Make `owner.name(first, ...)` call `wrapper(original, first, ...)`; once per wrapper.
+    `owner` is a class (`first` is self) or a module (`first` is the function's first argument)."""
+    original = getattr(owner, name)
     if getattr(original, "_tokendance_wrapper", None) is wrapper:
         return
 
     @functools.wraps(original)
-    def wrapped(self, *args, **kwargs):
-        return wrapper(original, self, *args, **kwargs)
+    def wrapped(first, *args, **kwargs):
+        return wrapper(original, first, *args, **kwargs)
 
     wrapped._tokendance_wrapper = wrapper
-    setattr(cls, name, wrapped)
+    setattr(owner, name, wrapped)

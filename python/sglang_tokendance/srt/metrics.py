@@ -1,17 +1,20 @@
-"""Prometheus series of the segment-hash forest, under SGLang's `--enable-metrics`.
+"""Prometheus series of the segment-hash forest and the round-group policy, under SGLang's
+`--enable-metrics`.
 
 SGLang builds a radix cache's metrics collector (`init_metrics_collector`) only when metrics
 are on; the forest then builds these series beside it with the same labels (cache_type,
 tp/pp/dp rank), so they sit next to SGLang's own cache series such as
 `sglang:evicted_tokens_total`. prometheus_client is imported only then, after SGLang has set
 PROMETHEUS_MULTIPROC_DIR: the HTTP server's /metrics reads every process's values from there.
-With metrics off the forest keeps `NO_METRICS`, whose calls do nothing.
+With metrics off the forest keeps `NO_METRICS`, whose calls do nothing. The round-group
+policy (srt/policy.py) builds its series the same way, with the scheduler collector's labels.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from sglang_tokendance.core.collective import RoundRecord
 from sglang_tokendance.core.segment_table import SegmentTable
 
 
@@ -33,26 +36,23 @@ NO_METRICS = ForestMetrics()
 
 class PrometheusForestMetrics(ForestMetrics):
     def __init__(self, labels: dict[str, Any], segments: SegmentTable, bytes_per_token: int) -> None:
-        from prometheus_client import Counter, Gauge
+        from prometheus_client import Gauge
 
         self.segments = segments
         self.bytes_per_token = bytes_per_token
-        names = list(labels)
-
-        def counter(name: str, documentation: str):
-            return Counter(name=name, documentation=documentation, labelnames=names).labels(**labels)
-
-        self.hits = counter("sglang:tokendance_segment_hits_total",
-                            "Cached segments found after a request's radix prefix and reused.")
-        self.misses = counter("sglang:tokendance_segment_misses_total",
-                              "Shared segments after a request's radix prefix that were not cached.")
-        self.reused_tokens = counter("sglang:tokendance_reused_tokens_total",
-                                     "Prompt tokens whose KV was restored from segment nodes and kept, not computed.")
-        self.recomputed_tokens = counter("sglang:tokendance_recomputed_tokens_total",
-                                         "Restored prompt tokens that selective recompute computed again.")
+        self.hits = labelled_counter("sglang:tokendance_segment_hits_total",
+                                     "Cached segments found after a request's radix prefix and reused.", labels)
+        self.misses = labelled_counter("sglang:tokendance_segment_misses_total",
+                                       "Shared segments after a request's radix prefix that were not cached.", labels)
+        self.reused_tokens = labelled_counter(
+            "sglang:tokendance_reused_tokens_total",
+            "Prompt tokens whose KV was restored from segment nodes and kept, not computed.", labels)
+        self.recomputed_tokens = labelled_counter(
+            "sglang:tokendance_recomputed_tokens_total",
+            "Restored prompt tokens that selective recompute computed again.", labels)
         self.held_bytes = Gauge(name="sglang:tokendance_segment_bytes",
                                 documentation="KV bytes held by segment nodes (all layers, K and V).",
-                                labelnames=names, multiprocess_mode="mostrecent").labels(**labels)
+                                labelnames=list(labels), multiprocess_mode="mostrecent").labels(**labels)
 
     def count_restore(self, hits: int, misses: int) -> None:
         self.hits.inc(hits)
@@ -64,3 +64,39 @@ class PrometheusForestMetrics(ForestMetrics):
 
     def update_held(self) -> None:
         self.held_bytes.set(self.segments.tokens * self.bytes_per_token)
+
+
+def labelled_counter(name: str, documentation: str, labels: dict[str, Any]):
+    from prometheus_client import Counter
+
+    return Counter(name=name, documentation=documentation, labelnames=list(labels)).labels(**labels)
+
+
+class RoundMetrics:
+    """What the round-group policy reports; this base is the no-op used when metrics are off."""
+
+    def count_round(self, record: RoundRecord) -> None:
+        """A round group was released (complete, or its window expired)."""
+
+
+NO_ROUND_METRICS = RoundMetrics()
+
+
+class PrometheusRoundMetrics(RoundMetrics):
+    def __init__(self, labels: dict[str, Any]) -> None:
+        self.rounds = labelled_counter("sglang:tokendance_rounds_formed_total",
+                                       "Round groups released to prefill together.", labels)
+        self.members = labelled_counter("sglang:tokendance_round_members_total",
+                                        "Requests in released round groups (divided by rounds formed: the mean "
+                                        "group size).", labels)
+        self.fallbacks = labelled_counter("sglang:tokendance_round_fallbacks_total",
+                                          "Round groups released because their window expired before every "
+                                          "member arrived.", labels)
+        self.wait = labelled_counter("sglang:tokendance_round_wait_seconds_total",
+                                     "Time requests were held for their round's other members.", labels)
+
+    def count_round(self, record: RoundRecord) -> None:
+        self.rounds.inc()
+        self.members.inc(record.members)
+        self.fallbacks.inc(record.fallback)
+        self.wait.inc(record.wait_s)

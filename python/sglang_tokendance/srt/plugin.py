@@ -22,6 +22,10 @@ def register() -> None:
     prompt_interface.register(args)  # the interface stays on under --disable-tokendance
     _register_forest()
     _register_attention()
+    if args.kv_enabled:  # stock SGLang's scheduling under --disable-tokendance
+        from sglang_tokendance.srt import policy
+
+        policy.register(args)
 
     def add_tokendance_info(result: dict[str, Any], *unused, **unused_kw) -> dict[str, Any]:
         """/server_info tells clients (e.g. sgl.separator()) that TokenDance is serving."""

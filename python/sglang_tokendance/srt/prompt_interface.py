@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from sglang_tokendance.core.collective import MAX_ROUND_ID_CHARS, MAX_ROUND_SIZE
 from sglang_tokendance.core.segments import Piece, SegmentError, Segmenter
 from sglang_tokendance.served_model import model_salt_from_env
 from sglang_tokendance.server_args import TokenDanceArgs
@@ -93,39 +94,54 @@ async def _generate_request(original, args, tokenizer_manager, obj, request, *re
 
     if isinstance(obj, GenerateReqInput):
         segments = options = None
-        if request is not None and request.url.path.endswith("/generate"):
+        if request is not None and request.url.path.endswith(("/generate", "/completions")):
             body = await request.json()
-            segments, options = body.get("segments"), body.get("tokendance")
+            options = body.get("tokendance") if isinstance(body, dict) else None
+            if request.url.path.endswith("/generate"):
+                segments = body.get("segments")
         chat = request is not None and request.url.path.endswith("/chat/completions")
         try:
             apply_segments(obj, segments_field=segments, from_chat=chat,
-                           segmenter=segmenter_of(tokenizer_manager, args),
-                           register_output=register_output_option(options))
+                           segmenter=segmenter_of(tokenizer_manager, args), options=request_options(options))
         except SegmentError as e:
             raise ValueError(str(e)) from None
     async for out in original(tokenizer_manager, obj, request, *rest, **kw):
         yield out
 
 
-def register_output_option(options: Any) -> bool:
-    """The request's `tokendance` options: {"register_output": true} or nothing."""
+OPTIONS_SHAPE = '`tokendance` must be an object like {"register_output": true, "round": "r1", "round_size": 4}'
+
+
+def request_options(options: Any) -> dict:
+    """The request's `tokendance` object, validated, as the scheduler receives it:
+    "register_output" (cache the generated text as a segment), "round" (the client's name
+    for the multi-agent round it belongs to) and "round_size" (how many requests it has)."""
     if options is None:
-        return False
-    if not isinstance(options, dict) or set(options) - {"register_output"} or \
-            not isinstance(options.get("register_output", False), bool):
-        raise SegmentError('`tokendance` must be an object like {"register_output": true}')
-    return options.get("register_output", False)
+        return {}
+    if not isinstance(options, dict) or set(options) - {"register_output", "round", "round_size"}:
+        raise SegmentError(OPTIONS_SHAPE)
+    if not isinstance(options.get("register_output", False), bool):
+        raise SegmentError(f"`tokendance.register_output` must be true or false; {OPTIONS_SHAPE}")
+    round_id, size = options.get("round"), options.get("round_size")
+    if round_id is not None and not (isinstance(round_id, str) and 0 < len(round_id) <= MAX_ROUND_ID_CHARS):
+        raise SegmentError(f"`tokendance.round` must be a non-empty string of at most {MAX_ROUND_ID_CHARS} "
+                           f"characters, got {json.dumps(round_id)[:80]}")
+    if size is not None and not (type(size) is int and 1 <= size <= MAX_ROUND_SIZE):
+        raise SegmentError(f"`tokendance.round_size` must be an integer in [1, {MAX_ROUND_SIZE}], "
+                           f"got {json.dumps(size)[:80]}")
+    if size is not None and round_id is None:
+        raise SegmentError("`tokendance.round_size` needs `tokendance.round`")
+    return {key: value for key, value in options.items() if value not in (None, False)}
 
 
-def apply_segments(obj, *, segments_field, from_chat: bool, segmenter: Segmenter,
-                   register_output: bool = False) -> None:
+def apply_segments(obj, *, segments_field, from_chat: bool, segmenter: Segmenter, options: dict | None = None) -> None:
     """Rewrite a GenerateReqInput in place: segmented prompts become ids + carried spans.
 
     Chat prompts are rendered templates, which SGLang encodes without added special tokens.
-    `register_output` asks the scheduler to cache the generated text as a segment.
+    `options` (from `request_options`) ride along to the scheduler with every prompt.
     """
     strip_client_carrier(obj)
-    extra = {"register_output": True} if register_output else {}
+    extra = options or {}
     texts = obj.text
     if segments_field is not None:
         if texts is not None or obj.input_ids is not None:
@@ -136,7 +152,7 @@ def apply_segments(obj, *, segments_field, from_chat: bool, segmenter: Segmenter
         batched = isinstance(texts, list)
         items = texts if batched else [texts]
         if texts is None or not any(isinstance(t, str) and segmenter.has_marker(t) for t in items):
-            if extra:  # a plain prompt keeps SGLang's own path; only the option rides along
+            if extra:  # a plain prompt keeps SGLang's own path; only the options ride along
                 _carry(obj, [{"segments": [], **extra}] * (len(items) if batched else 1), batched)
             return
         if obj.input_ids is not None:
@@ -191,7 +207,7 @@ def carried_info(obj) -> dict:
 
 def carried_payload(custom_params: dict | None) -> dict:
     """The scheduler's end of the route: a request's shared segments ("segments": span
-    dicts) and options ("register_output"), from its `SamplingParams.custom_params`."""
+    dicts) and options (`request_options`), from its `SamplingParams.custom_params`."""
     raw = custom_params.get(CARRIER_KEY) if isinstance(custom_params, dict) else None
     return json.loads(raw) if raw else {"segments": []}
 
@@ -271,7 +287,7 @@ def _streaming_contract_error(args: TokenDanceArgs, body: Any) -> str | None:
     try:
         apply_segments(obj, segments_field=body.get("segments"), from_chat=False,
                        segmenter=segmenter_of(_global_state.tokenizer_manager, args),
-                       register_output=register_output_option(body.get("tokendance")))
+                       options=request_options(body.get("tokendance")))
     except SegmentError as e:
         return str(e)
     return None

@@ -1,0 +1,235 @@
+"""Round groups: which requests of one multi-agent round are admitted together, and when.
+
+A round's requests reach the server at slightly different times; prefilled as one group they
+can share one batched re-rotation and deviation check (the collective prefill). The grouper
+holds a round's members until all `size` have arrived or `window_s` has passed since its
+first member, then releases the group; a request without a round is never held. A round is
+named by the client (`RoundTag`), or inferred: with `min_shared` > 0 a request without a tag
+joins the open inferred round of its namespace whose segment hashes it shares at least
+`min_shared` of (a round with no known size is held for its whole window).
+
+Pure bookkeeping over opaque hashable items and a caller-supplied clock, so it is tested
+without SGLang; srt/policy.py feeds it SGLang's Req objects and the scheduler's waiting
+queue. A group lives from its first arrival until its last member is admitted or leaves, and
+carries its members (`RoundGroup.members`), so the blended prefill can find a request's
+group; what outlives it is a `RoundRecord` of counts only.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Generic, Hashable, Iterable, TypeVar
+
+MAX_ROUND_SIZE = 4096  # a larger `round_size` is refused (a 400)
+MAX_ROUND_ID_CHARS = 256
+RECENT_ROUNDS = 64  # records kept for /server_info
+
+T = TypeVar("T", bound=Hashable)
+
+
+@dataclass(frozen=True)
+class RoundTag:
+    """A request's round as its client named it; `size` None: unknown (held for the window)."""
+
+    round_id: str
+    size: int | None = None
+
+
+@dataclass
+class RoundRecord:
+    """What is reported about one released round (no request objects: it may outlive them)."""
+
+    round_id: str
+    inferred: bool
+    members: int  # members that had arrived when it was released
+    fallback: bool  # its window expired before `size` members arrived
+    wait_s: float  # summed over members: release time - arrival time
+    admitted: list[int] = field(default_factory=list)  # members admitted per prefill batch
+
+
+@dataclass
+class RoundGroup(Generic[T]):
+    """One round's members, held until released, then kept until each is admitted."""
+
+    key: Hashable  # (namespace, round id) or (namespace, inferred serial)
+    round_id: str
+    size: int | None
+    opened: float  # arrival time of its first member
+    inferred: bool
+    members: dict[T, tuple[str, ...]] = field(default_factory=dict)  # member -> sorted segment hashes
+    arrivals: dict[T, float] = field(default_factory=dict)
+    hashes: set[str] = field(default_factory=set)  # union of the members' segment hashes
+    arrived: int = 0  # members that arrived, including ones that left since
+    record: RoundRecord | None = None  # set on release
+
+    @property
+    def released(self) -> bool:
+        return self.record is not None
+
+    def due(self, now: float, window_s: float) -> bool:
+        complete = self.size is not None and self.arrived >= self.size
+        return complete or now - self.opened >= window_s
+
+
+class RoundGrouper(Generic[T]):
+    def __init__(self, window_s: float, min_shared: int = 0):
+        self.window_s = window_s
+        self.min_shared = min_shared
+        self.open: dict[Hashable, RoundGroup[T]] = {}  # holding, by key, in opening order
+        self.group_of: dict[T, RoundGroup[T]] = {}  # members held, or released and not yet admitted
+        self.free: set[T] = set()  # known items with no group (never held)
+        self.stragglers: dict[Hashable, tuple[float, int | None]] = {}  # key -> (closed at, members still due)
+        self.recent: deque[RoundRecord] = deque(maxlen=RECENT_ROUNDS)
+        self.rounds = self.members = self.fallbacks = self.largest_admitted = 0
+        self.wait_s = 0.0
+        self._serial = itertools.count()
+
+    # --- arrivals ---------------------------------------------------------------------------
+
+    def knows(self, item: T) -> bool:
+        return item in self.group_of or item in self.free
+
+    def arrive(self, item: T, namespace: Hashable, tag: RoundTag | None, hashes: Iterable[str],
+               now: float) -> RoundGroup[T] | None:
+        """A request seen for the first time: the group it joins (held), or None (free)."""
+        hashes = tuple(sorted(set(hashes)))
+        group = self._group_for(namespace, tag, hashes, now)
+        if group is None:
+            self.free.add(item)
+            return None
+        group.members[item] = hashes
+        group.arrivals[item] = now
+        group.hashes.update(hashes)
+        group.arrived += 1
+        self.group_of[item] = group
+        return group
+
+    def _group_for(self, namespace: Hashable, tag: RoundTag | None, hashes: tuple[str, ...],
+                   now: float) -> RoundGroup[T] | None:
+        if tag is not None:
+            key = (namespace, tag.round_id)
+            if key in self.open:
+                return self.open[key]
+            if self._straggler(key, now):
+                return None
+            return self._open(RoundGroup(key, tag.round_id, tag.size, now, inferred=False))
+        if self.min_shared <= 0 or len(hashes) < self.min_shared:
+            return None
+        for group in self.open.values():
+            if group.inferred and group.key[0] == namespace and len(group.hashes.intersection(hashes)) >= \
+                    self.min_shared:
+                return group
+        serial = next(self._serial)
+        return self._open(RoundGroup((namespace, serial), f"inferred-{serial}", None, now, inferred=True))
+
+    def _open(self, group: RoundGroup[T]) -> RoundGroup[T]:
+        self.open[group.key] = group
+        return group
+
+    def _straggler(self, key: Hashable, now: float) -> bool:
+        """A late member of a round released in the last window passes at once."""
+        closed, due = self.stragglers.get(key, (None, None))
+        if closed is None or now - closed >= self.window_s:
+            self.stragglers.pop(key, None)
+            return False
+        if due is not None:
+            if due <= 1:
+                del self.stragglers[key]
+            else:
+                self.stragglers[key] = (closed, due - 1)
+        return True
+
+    # --- release, admission, departure ------------------------------------------------------
+
+    def is_held(self, item: T) -> bool:
+        group = self.group_of.get(item)
+        return group is not None and not group.released
+
+    def release_due(self, now: float) -> list[RoundRecord]:
+        """Release every open group that is complete or whose window has expired."""
+        self.stragglers = {k: v for k, v in self.stragglers.items() if now - v[0] < self.window_s}
+        released = []
+        for key, group in list(self.open.items()):
+            if not group.due(now, self.window_s):
+                continue
+            del self.open[key]
+            fallback = group.size is not None and group.arrived < group.size
+            wait = sum(now - t for t in group.arrivals.values())
+            group.record = RoundRecord(group.round_id, group.inferred, group.arrived, fallback, wait)
+            self.rounds += 1
+            self.members += group.arrived
+            self.fallbacks += fallback
+            self.wait_s += wait
+            self.recent.append(group.record)
+            if not group.inferred and (group.size is None or fallback):
+                self.stragglers[key] = (now, None if group.size is None else group.size - group.arrived)
+            released.append(group.record)
+        return released
+
+    def admitted(self, items: Iterable[T]) -> None:
+        """One prefill batch was formed from `items`: its members are no longer tracked."""
+        counts: dict[int, tuple[RoundGroup[T], int]] = {}
+        for item in items:
+            self.free.discard(item)
+            group = self.group_of.get(item)
+            if group is None or not group.released:
+                continue
+            self._forget(item, group)
+            counts[id(group)] = (group, counts.get(id(group), (group, 0))[1] + 1)
+        for group, count in counts.values():
+            group.record.admitted.append(count)
+            self.largest_admitted = max(self.largest_admitted, count)
+
+    def keep_only(self, present: Iterable[T]) -> None:
+        """Forget every tracked item not in `present` (the waiting queue): it was aborted or
+        otherwise left SGLang's queue. A held group keeps counting it as arrived."""
+        present = set(present)
+        self.free.intersection_update(present)
+        for item in [i for i in self.group_of if i not in present]:
+            self._forget(item, self.group_of[item])
+
+    def _forget(self, item: T, group: RoundGroup[T]) -> None:
+        del self.group_of[item]
+        del group.members[item]
+        group.arrivals.pop(item, None)
+        if not group.members and not group.released:
+            del self.open[group.key]  # nobody left to hold
+
+    # --- order ------------------------------------------------------------------------------
+
+    def order(self, queue: list[T]) -> list[T]:
+        """`queue` with each released group's waiting members moved together, to where its
+        first member stands, and members with the same segments next to each other (so a
+        prefill budget that splits the group splits it between segment sets). Everything
+        else keeps its place and order."""
+        placed: set[int] = set()
+        out: list[T] = []
+        for item in queue:
+            group = self.group_of.get(item)
+            if group is None or not group.released:
+                out.append(item)
+            elif id(group) not in placed:
+                placed.add(id(group))
+                members = [m for m in queue if self.group_of.get(m) is group]
+                first_seen = {}
+                for m in members:
+                    first_seen.setdefault(group.members[m], len(first_seen))
+                out.extend(sorted(members, key=lambda m: first_seen[group.members[m]]))
+        return out
+
+    # --- reporting --------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        return {
+            "rounds_formed": self.rounds,
+            "mean_group_size": self.members / self.rounds if self.rounds else 0.0,
+            "fallbacks": self.fallbacks,
+            "wait_added_s": self.wait_s,
+            "largest_group_admitted": self.largest_admitted,
+            "held_requests": sum(self.is_held(i) for i in self.group_of),
+            "tracked_requests": len(self.group_of) + len(self.free),
+            "open_rounds": len(self.open),
+            "recent_rounds": [vars(r) | {"admitted": list(r.admitted)} for r in self.recent],
+        }

@@ -1,0 +1,129 @@
+"""Round-group scheduling policy: SGLang's scheduler admits a round's requests together.
+
+Grouping rules are core/collective.py's; this module only connects them to SGLang 0.5.23's
+scheduler through HookRegistry:
+
+* AROUND `Scheduler.get_new_batch_prefill` (the step that picks waiting requests for the next
+  prefill batch): new arrivals in the waiting queue are registered (their `tokendance` round
+  options and segment hashes ride in custom_params), due groups are released, and the
+  requests still held are left out of the waiting queue for the length of the call, then put
+  back where they stood. SGLang's own admission (prefill budget, chunked prefill, request
+  limits) then splits a released group when it must. The batch formed is recorded.
+* AFTER `SchedulePolicy.calc_priority` (where SGLang orders the waiting queue): each released
+  group's members are moved next to each other, same segments adjacent.
+* AFTER `Scheduler.abort_request`: held members that SGLang's abort removed from the waiting
+  queue are forgotten at once (a held round keeps counting them as arrived).
+* AFTER `Scheduler.get_internal_state`: /server_info shows the counts ("tokendance_rounds").
+
+Held requests stay SGLang's waiting requests in every other respect (abort, /flush_cache
+refusal, the idle check: a scheduler holding a request keeps polling, so windows expire).
+Requests that already produced output (retracted ones) are never held. While SGLang builds a
+batch (its `prepare_for_extend` included), `round_of(req)` gives each member's group, its
+members with it: the hook for a collective blended prefill.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from sglang_tokendance.core.collective import RoundGroup, RoundGrouper, RoundTag
+from sglang_tokendance.server_args import TokenDanceArgs
+from sglang_tokendance.srt.metrics import NO_ROUND_METRICS, PrometheusRoundMetrics, RoundMetrics
+from sglang_tokendance.srt.prompt_interface import carried_payload
+from sglang_tokendance.srt.reuse import namespace_of
+
+SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+SCHEDULE_POLICY = "sglang.srt.managers.schedule_policy.SchedulePolicy"
+
+
+class RoundPolicy:
+    """The scheduler process's round groups."""
+
+    def __init__(self, args: TokenDanceArgs, clock=time.monotonic):
+        self.grouper: RoundGrouper[Any] = RoundGrouper(args.round_window_ms / 1000, args.round_min_shared)
+        self.clock = clock
+        self.metrics: RoundMetrics | None = None  # built on the first pass, when SGLang's are known
+
+    def get_new_batch_prefill(self, original, scheduler, *args, **kwargs):
+        """AROUND hook: hide the held requests from SGLang's admission for this pass."""
+        if self.metrics is None:
+            self.metrics = _metrics_of(scheduler)
+        before = scheduler.waiting_queue
+        self.register_arrivals(before)
+        for record in self.grouper.release_due(self.clock()):
+            self.metrics.count_round(record)
+        held = {id(r) for r in before if self.grouper.is_held(r)}
+        if not held:
+            plan = original(scheduler, *args, **kwargs)
+        else:
+            scheduler.waiting_queue = [r for r in before if id(r) not in held]
+            try:
+                plan = original(scheduler, *args, **kwargs)
+            finally:
+                scheduler.waiting_queue = _put_back(before, held, scheduler.waiting_queue)
+        if plan.batch_to_run is not None:
+            self.grouper.admitted(plan.batch_to_run.reqs)
+        return plan
+
+    def register_arrivals(self, waiting_queue: list) -> None:
+        self.grouper.keep_only(waiting_queue)
+        now = self.clock()
+        for req in waiting_queue:
+            if self.grouper.knows(req):
+                continue
+            payload = carried_payload(req.sampling_params.custom_params)
+            tag = RoundTag(payload["round"], payload.get("round_size")) if "round" in payload else None
+            if len(req.output_ids) > 0:  # retracted after decoding: never held again
+                tag, hashes = None, ()
+            else:
+                hashes = [span["hash"] for span in payload["segments"]]
+            self.grouper.arrive(req, namespace_of(req), tag, hashes, now)
+
+    def order(self, result, schedule_policy, waiting_queue: list, *unused, **unused_kw):
+        """AFTER hook on SchedulePolicy.calc_priority: released groups stand together."""
+        waiting_queue[:] = self.grouper.order(waiting_queue)
+        return result
+
+    def forget_aborted(self, result, scheduler, *unused, **unused_kw):
+        """AFTER hook on Scheduler.abort_request."""
+        self.grouper.keep_only(scheduler.waiting_queue)
+        return result
+
+    def add_stats(self, result, scheduler, *unused, **unused_kw):
+        """AFTER hook on Scheduler.get_internal_state."""
+        self.grouper.keep_only(scheduler.waiting_queue)
+        result.internal_state["tokendance_rounds"] = self.grouper.stats()
+        return result
+
+    def round_of(self, req) -> RoundGroup | None:
+        """The group of a request SGLang is admitting (None: no round)."""
+        return self.grouper.group_of.get(req)
+
+
+def _put_back(before: list, held: set[int], after: list) -> list:
+    """The waiting queue after a pass: everything not admitted, in its order before the pass,
+    then what SGLang queued during it (preempted requests)."""
+    remaining = {id(r) for r in after} | held
+    known = {id(r) for r in before}
+    return [r for r in before if id(r) in remaining] + [r for r in after if id(r) not in known]
+
+
+def _metrics_of(scheduler) -> RoundMetrics:
+    """Our series beside the scheduler's own, with its labels, when SGLang collects metrics."""
+    collector = scheduler.metrics_collector  # None unless --enable-metrics
+    return NO_ROUND_METRICS if collector is None else PrometheusRoundMetrics(collector.labels)
+
+
+ACTIVE: RoundPolicy | None = None  # the scheduler process's policy
+
+
+def register(args: TokenDanceArgs) -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    global ACTIVE
+    ACTIVE = policy = RoundPolicy(args)
+    HookRegistry.register(f"{SCHEDULER}.get_new_batch_prefill", policy.get_new_batch_prefill, HookType.AROUND)
+    HookRegistry.register(f"{SCHEDULE_POLICY}.calc_priority", policy.order, HookType.AFTER)
+    HookRegistry.register(f"{SCHEDULER}.abort_request", policy.forget_aborted, HookType.AFTER)
+    HookRegistry.register(f"{SCHEDULER}.get_internal_state", policy.add_stats, HookType.AFTER)

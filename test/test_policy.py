@@ -1,0 +1,143 @@
+"""The round-group policy's hooks (srt/policy.py) on a stand-in scheduler: fast, no server.
+Live behaviour on a real scheduler: test_rounds_server.py."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from sglang_tokendance.core.segments import SegmentError
+from sglang_tokendance.server_args import TokenDanceArgs
+from sglang_tokendance.srt.policy import RoundPolicy
+from sglang_tokendance.srt.prompt_interface import CARRIER_KEY, request_options
+from test_rounds_server import BAD_ROUNDS
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Req(SimpleNamespace):
+    __hash__ = object.__hash__  # SGLang's Req is hashed by identity
+    __eq__ = object.__eq__
+
+
+def req(name: str, round_id: str | None = None, size: int | None = None, hashes=(), output_ids=()):
+    payload = {"segments": [{"start": 0, "end": 1, "hash": h} for h in hashes]}
+    if round_id is not None:
+        payload["round"] = round_id
+    if size is not None:
+        payload["round_size"] = size
+    return Req(rid=name, sampling_params=SimpleNamespace(custom_params={CARRIER_KEY: json.dumps(payload)}),
+                           output_ids=list(output_ids), extra_key=None, cache_salt=None)
+
+
+class Scheduler:
+    """What the policy touches of SGLang's Scheduler; `original` admits up to `budget`
+    waiting requests in queue order, as SGLang's PrefillAdder would within its token budget."""
+
+    def __init__(self, policy: RoundPolicy, budget: int = 100):
+        self.policy, self.budget = policy, budget
+        self.waiting_queue: list = []
+        self.metrics_collector = None
+        self.batches: list[list[str]] = []
+
+    def original(self, scheduler, running_batch):
+        self.policy.order(None, None, self.waiting_queue)  # SGLang's calc_priority, then our AFTER hook
+        batch = self.waiting_queue[:self.budget]
+        self.waiting_queue = self.waiting_queue[self.budget:]
+        self.batches.append([r.rid for r in batch])
+        groups = [self.policy.round_of(r) for r in batch]  # as SGLang's prepare_for_extend sees them
+        self.groups = [None if g is None else [m.rid for m in g.members] for g in groups]
+        return SimpleNamespace(batch_to_run=SimpleNamespace(reqs=batch) if batch else None)
+
+    def schedule(self) -> list[str]:
+        self.policy.get_new_batch_prefill(self.original, self, "running batch")
+        return self.batches[-1]
+
+
+def setup(window_ms: float = 100.0, min_shared: int = 0, budget: int = 100):
+    clock = Clock()
+    policy = RoundPolicy(TokenDanceArgs(round_window_ms=window_ms, round_min_shared=min_shared), clock=clock)
+    return clock, Scheduler(policy, budget)
+
+
+def test_staggered_round_is_admitted_in_one_batch_and_plain_requests_pass():
+    clock, sched = setup()
+    a, b, c, plain = req("a", "r", 3), req("b", "r", 3), req("c", "r", 3), req("plain")
+    sched.waiting_queue += [a, plain]
+    assert sched.schedule() == ["plain"]
+    clock.now = 0.03
+    sched.waiting_queue.append(b)
+    assert sched.schedule() == [] and [r.rid for r in sched.waiting_queue] == ["a", "b"]
+    clock.now = 0.05
+    sched.waiting_queue += [req("late-plain"), c]
+    assert sched.schedule() == ["a", "b", "c", "late-plain"]  # the round stands where a stood
+    assert sched.groups == [["a", "b", "c"]] * 3 + [None]  # what the blended prefill can read
+    stats = sched.policy.grouper.stats()
+    assert stats["largest_group_admitted"] == 3 and stats["rounds_formed"] == 1 and stats["fallbacks"] == 0
+    assert stats["wait_added_s"] == pytest.approx(0.05 + 0.02) and stats["tracked_requests"] == 0
+
+
+def test_released_group_stands_together_where_its_first_member_stood():
+    clock, sched = setup()
+    sched.waiting_queue += [req("a", "r", 2), req("p1"), req("p2")]
+    assert sched.schedule() == ["p1", "p2"]
+    sched.waiting_queue += [req("p3"), req("b", "r", 2)]
+    assert sched.schedule() == ["a", "b", "p3"]
+
+
+def test_budget_split_round_keeps_the_rest_released():
+    clock, sched = setup(budget=2)
+    sched.waiting_queue += [req(n, "r", 3) for n in "abc"]
+    assert sched.schedule() == ["a", "b"]
+    assert sched.schedule() == ["c"]
+    assert sched.policy.grouper.recent[-1].admitted == [2, 1]
+
+
+def test_missing_member_costs_the_window():
+    clock, sched = setup(window_ms=100)
+    sched.waiting_queue += [req("a", "r", 3), req("b", "r", 3)]
+    assert sched.schedule() == []
+    clock.now = 0.099
+    assert sched.schedule() == []
+    clock.now = 0.1
+    assert sched.schedule() == ["a", "b"]
+    assert sched.policy.grouper.stats()["fallbacks"] == 1
+
+
+def test_aborted_held_member_is_forgotten():
+    clock, sched = setup()
+    a, b = req("a", "r", 3), req("b", "r", 3)
+    sched.waiting_queue += [a, b]
+    sched.schedule()
+    sched.waiting_queue.remove(a)  # SGLang's abort pops it from the waiting queue
+    sched.policy.forget_aborted(None, sched)
+    assert sched.policy.grouper.stats()["held_requests"] == 1
+    sched.waiting_queue.remove(b)
+    sched.policy.forget_aborted(None, sched)
+    stats = sched.policy.grouper.stats()
+    assert stats["tracked_requests"] == 0 and stats["open_rounds"] == 0
+
+
+def test_retracted_request_is_never_held_and_inferred_rounds_group_overlaps():
+    clock, sched = setup(min_shared=2)
+    sched.waiting_queue += [req("retracted", "r", 2, output_ids=[5]), req("x", hashes=["h1", "h2"]),
+                            req("y", hashes=["h2", "h1", "h3"]), req("z", hashes=["h9"])]
+    assert sched.schedule() == ["retracted", "z"]
+    clock.now = 0.1
+    assert sched.schedule() == ["x", "y"]
+
+
+def test_round_options_are_validated():
+    assert request_options({"round": "r", "round_size": 2, "register_output": False}) == {"round": "r", "round_size": 2}
+    assert request_options({"round": "r"}) == {"round": "r"} and request_options(None) == {}
+    for options, message in BAD_ROUNDS:
+        with pytest.raises(SegmentError, match=message.replace("`", ".")):
+            request_options(options)
