@@ -23,25 +23,43 @@ import triton
 import triton.language as tl
 
 from sglang_tokendance.core.attention import Grid, attend, plan_grids
-from sglang_tokendance.core.rope import RopeSpec, cos_sin, rotate_by, unrotate
+from sglang_tokendance.core.rope import RopeSpec, cos_sin, unrotate
 
 
 class RopeOnRead:
     """K kept un-rotated in the KV store; each reader rotates a key by its position in its row.
+
     The cos/sin of row positions 0.. are computed once per device (grown as rows grow), so a
-    forward's layers do not recompute them."""
+    forward's layers do not recompute them. The torch path rotates a whole gathered row in
+    three full-width ops, k * C + k[..., partner] * S (C: cos on rotated dims, 1 elsewhere;
+    S: -sin / +sin on a pair's first / second dim, 0 elsewhere; `partner` swaps each pair) --
+    core/rope's formula, without splitting or transposing the rows."""
 
     def __init__(self, spec: RopeSpec):
         self.spec = spec
-        self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        half = torch.arange(spec.rotary_dim // 2)
+        self._first, self._second = (2 * half, 2 * half + 1) if spec.layout == "interleaved" else \
+            (half, half + spec.rotary_dim // 2)
+        self._partner = torch.arange(spec.head_dim)
+        self._partner[self._first], self._partner[self._second] = self._second, self._first
+        self._tables: dict[torch.device, tuple[torch.Tensor, ...]] = {}
+
+    def _tables_for(self, length: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """(cos, sin [size, rotary_dim // 2], C, S [size, head_dim], partner), size >= length."""
+        tables = self._tables.get(device)
+        if tables is None or tables[0].shape[0] < length:
+            size = max(length, 256 if tables is None else 2 * tables[0].shape[0])
+            cos, sin = cos_sin(self.spec, torch.arange(size, device=device))
+            c = torch.ones(size, self.spec.head_dim, device=device)
+            s = torch.zeros_like(c)
+            c[:, self._first], c[:, self._second] = cos, cos
+            s[:, self._first], s[:, self._second] = -sin, sin
+            tables = self._tables[device] = (cos, sin, c, s, self._partner.to(device))
+        return tables
 
     def table(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 cos/sin [>= length, rotary_dim // 2] of positions 0.. (core/rope.cos_sin)."""
-        cos, sin = self._tables.get(device, (None, None))
-        if cos is None or cos.shape[0] < length:
-            size = max(length, 256 if cos is None else 2 * cos.shape[0])
-            cos, sin = self._tables[device] = cos_sin(self.spec, torch.arange(size, device=device))
-        return cos, sin
+        return self._tables_for(length, device)[:2]
 
     def unrotate(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """What the store keeps of K the model rotated at `positions` ([tokens, kv_heads, d])."""
@@ -50,8 +68,9 @@ class RopeOnRead:
     def __call__(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """core/attention's KeyTransform: gathered rows k [B, Lk, kv_heads, d], key j at row
         position positions[j] (< Lk)."""
-        cos, sin = self.table(k.shape[1], k.device)
-        return rotate_by(k.transpose(0, 1), cos[positions], sin[positions], self.spec).transpose(0, 1)
+        _, _, c, s, partner = self._tables_for(k.shape[1], k.device)
+        kf = k.float()
+        return torch.addcmul(kf * c[positions, None], kf.index_select(-1, partner), s[positions, None]).to(k.dtype)
 
 
 def extend_grids(slot_table: torch.Tensor, row_index: torch.Tensor, prefix_lens: list[int],
