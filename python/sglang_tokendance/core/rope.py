@@ -222,19 +222,14 @@ def cos_sin(
 
 def _apply(x: torch.Tensor, angles: torch.Tensor, scale: float, spec: RopeSpec) -> torch.Tensor:
     """Rotate ``x[..., :rotary_dim]`` by ``angles`` and multiply it by ``scale``, in float32."""
-    return rotate_by(x, (angles.cos() * scale).to(torch.float32), (angles.sin() * scale).to(torch.float32), spec)
-
-
-def rotate_by(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
-    """Rotate x [tokens, ..., head_dim] by precomputed float32 cos/sin [tokens, rotary_dim // 2]
-    (``cos_sin``'s rows): ``rotate`` without recomputing the angles of positions seen before."""
-    if x.dim() < 2 or x.shape[0] != cos.shape[0] or x.shape[-1] != spec.head_dim:
+    if x.dim() < 2 or x.shape[0] != angles.shape[0] or x.shape[-1] != spec.head_dim:
         raise ValueError(
-            f"x must be [tokens, ..., head_dim={spec.head_dim}] with {cos.shape[0]} tokens, "
+            f"x must be [tokens, ..., head_dim={spec.head_dim}] with {angles.shape[0]} tokens, "
             f"got shape {tuple(x.shape)}"
         )
-    view = (cos.shape[0],) + (1,) * (x.dim() - 2) + (-1,)
-    cos, sin = cos.view(view), sin.view(view)
+    view = (angles.shape[0],) + (1,) * (x.dim() - 2) + (-1,)
+    cos = (angles.cos() * scale).to(torch.float32).view(view)
+    sin = (angles.sin() * scale).to(torch.float32).view(view)
     r = spec.rotary_dim
     xf = x.to(torch.float32)
     rot, rest = xf[..., :r], xf[..., r:]
