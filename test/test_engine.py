@@ -70,6 +70,14 @@ def test_engine_rejects_unknown_tokendance_option():
         sglang_tokendance.Engine(tokendance_nope=1)
 
 
+def test_engine_refuses_mirror_storage_with_another_attention_backend():
+    import sglang_tokendance
+    from sglang_tokendance.server_args import TokenDanceArgsError
+
+    with pytest.raises(TokenDanceArgsError, match="--attention-backend"):
+        sglang_tokendance.Engine(tokendance_storage="mirror", attention_backend="triton")
+
+
 def test_launcher_help_lists_sglang_and_tokendance_flags():
     import subprocess
     import sys
