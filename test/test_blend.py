@@ -187,6 +187,25 @@ def test_rules():
     assert fixed_scores("oracle", torch.ones(3)).score(None).tolist() == [1.0, 1.0, 1.0]
 
 
+def test_attention_kv_ranks_tokens_no_fresh_token_follows_by_deviation():
+    """Under chunked prefill a chunk can end in reused text: those tokens receive no mass in this
+    forward (no fresh query comes after them) and are weighted as the average seen token."""
+    from sglang_tokendance.core.selection import CheckState
+
+    def state(mass):
+        k = torch.zeros(4, 1, 2)
+        dev = torch.tensor([1.0, 4.0, 9.0, 16.0]).sqrt().view(4, 1, 1).expand(4, 1, 2) / 2 ** 0.5
+        return CheckState([k, k], [k, k], [k, k + dev], [k, k], attention_received=torch.tensor(mass))
+
+    rule = rule_named("attention-kv")
+    seen = rule.score(state([4.0, 1.0, 0.0, 0.0]))  # tokens 2, 3: nothing after them in this chunk
+    dev = torch.tensor([1.0, 4.0, 9.0, 16.0]) / 7.5
+    torch.testing.assert_close(seen, dev * torch.tensor([2.0, 1.0, 1.5, 1.5]))
+    assert seen.argsort(descending=True).tolist() == [3, 2, 1, 0]  # 0 mass would never recompute 2, 3
+    torch.testing.assert_close(rule.score(state([0.0] * 4)), dev)  # nothing seen: deviation alone
+    torch.testing.assert_close(rule.score(state([1.0, 4.0, 9.0, 16.0])), dev * torch.tensor([1.0, 2.0, 3.0, 4.0]))
+
+
 @torch.no_grad()
 def test_screen_passes_a_share_and_only_those_can_be_kept():
     model = tiny("llama")

@@ -235,8 +235,8 @@ at the same steps, teacher-forced on the reference server's output (same prompts
 cached KV). `agree`: common prefix of the greedy outputs ({n} tokens). `reused`/`recomputed`/`hits`:
 meta_info["tokendance"] vs the in-process prefill. `inproc_first_kl`/`inproc_decode_kl`:
 full-vocabulary KL in-process (decode: every teacher-forced step). `noise_*`: the reference server
-vs the in-process full prefill (the floor of any difference). Chunked rows are preliminary: chunked
-prefill has a known reuse bug being fixed."""
+vs the in-process full prefill (the floor of any difference). Chunked rows: both servers at
+that --chunked-prefill-size, the in-process side unchunked."""
 
 
 def run_server(args: argparse.Namespace, runner: QualityRunner, out: Path, command: str) -> None:

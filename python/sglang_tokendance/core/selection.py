@@ -15,8 +15,9 @@ Rules (`--tokendance-selection`):
   deviation poorly. So: the token's K+V deviation summed over every probe layer 1..c (each
   layer's deviations divided by their mean, so no layer dominates), times the square root of
   the attention mass the fresh tokens (private text, suffix, the last prompt token) pay it at
-  layer c. It needs a probe a few layers deep (c >= 3; measured best at c = 5); at c = 1 it
-  is worse than CacheBlend's rule (benchmark/results/quality.md).
+  layer c (a token no fresh token of the forward follows -- in a prefill chunk that ends in
+  reused text -- counts as the average seen token). It needs a probe a few layers deep (c >= 3;
+  measured best at c = 5); at c = 1 it is worse than CacheBlend's rule (benchmark/results/quality.md).
 """
 
 from __future__ import annotations
@@ -63,7 +64,18 @@ def _normalised(dev: torch.Tensor) -> torch.Tensor:
 
 def _attention_kv(state: CheckState) -> torch.Tensor:
     deviation = sum(_normalised(state.deviation(layer, "kv")) for layer in range(1, len(state.cached_k)))
-    return deviation * state.attention_received.sqrt()
+    return deviation * _seen_or_average(state.attention_received.sqrt())
+
+
+def _seen_or_average(weight: torch.Tensor) -> torch.Tensor:
+    """A reused token that no fresh token of this forward comes after receives no attention
+    mass at all (exactly 0): under chunked prefill, the text that will read it (the suffix, the
+    last prompt token) is in a later chunk. Such a token is weighted as the average token that
+    was seen, so its deviation alone ranks it; 0 would never recompute it. (With no seen token,
+    deviation alone ranks them all.)"""
+    seen = weight > 0
+    average = weight.sum() / seen.sum().clamp_min(1)
+    return torch.where(seen, weight, torch.where(seen.any(), average, torch.ones_like(average)))
 
 
 RULES: dict[str, SelectionRule] = {
