@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pytest
 import requests
 
@@ -41,11 +42,19 @@ def hf_greedy(hf_model_and_tokenizer, prompt: str, max_new_tokens: int) -> list[
     return new
 
 
-def generate(url: str, text, max_new_tokens: int = 16, **extra) -> dict:
-    body = {"text": text, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}, **extra}
-    r = requests.post(url + "/generate", json=body, timeout=300)
+def generate(url: str, text, max_new_tokens: int = 16, sampling: dict | None = None, **extra) -> dict:
+    """A greedy /generate; `sampling` adds sampling params, `extra` top-level fields (rid, cache_salt)."""
+    params = {"max_new_tokens": max_new_tokens, "temperature": 0, **(sampling or {})}
+    r = requests.post(url + "/generate", json={"text": text, "sampling_params": params, **extra}, timeout=900)
     r.raise_for_status()
     return r.json()
+
+
+def stream_chunks(response):
+    """The JSON chunks of a streamed /generate response, [DONE] left out."""
+    for line in response.iter_lines():
+        if line.startswith(b"data:") and line != b"data: [DONE]":
+            yield json.loads(line[5:])
 
 
 def forest_stats(url: str) -> dict | None:

@@ -22,11 +22,7 @@ READER = SEP.join(["You are Oskar, the carpenter.", BLOCKS[1], BLOCKS[0], " Oska
 
 
 def with_logprobs(url: str, text: str, salt: str, max_new_tokens: int = 12) -> dict:
-    body = {"text": text, "cache_salt": salt, "return_logprob": True,
-            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}}
-    r = requests.post(url + "/generate", json=body, timeout=300)
-    r.raise_for_status()
-    return r.json()
+    return generate(url, text, max_new_tokens, cache_salt=salt, return_logprob=True)
 
 
 def output_logprobs(out: dict) -> list[float]:

@@ -5,14 +5,13 @@ aborts and reused request ids."""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 
 import pytest
 import requests
 
-from conftest import assert_no_leak
+from conftest import assert_no_leak, generate, stream_chunks as stream_lines
 from sglang_tokendance.core.segments import DEFAULT_SEPARATOR as SEP
 from sglang_tokendance.server_process import ServerProcess
 from test_metrics import tokendance_metrics
@@ -34,12 +33,7 @@ READER = SEP.join(["You are Oskar, the carpenter, who lives by the river. " * 3,
 
 
 def post(url: str, text: str, salt: str | None = None, max_new_tokens: int = 8, **extra) -> dict:
-    body = {"text": text, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}, **extra}
-    if salt is not None:
-        body["cache_salt"] = salt
-    r = requests.post(url + "/generate", json=body, timeout=600)
-    r.raise_for_status()
-    return r.json()
+    return generate(url, text, max_new_tokens, **extra, **({} if salt is None else {"cache_salt": salt}))
 
 
 @pytest.fixture(scope="module")
@@ -88,12 +82,6 @@ def test_no_approximate_token_enters_the_tree(default_server):
     assert "reused_tokens" not in plain["meta_info"]["tokendance"]
     assert plain["meta_info"]["cached_tokens"] <= first_reused
     assert plain["output_ids"] == clean["output_ids"]
-
-
-def stream_lines(response):
-    for line in response.iter_lines():
-        if line.startswith(b"data:") and line != b"data: [DONE]":
-            yield json.loads(line[5:])
 
 
 # SGLang aborts a streamed request's rid 2 s after its stream ends, if the rid is live then

@@ -9,7 +9,6 @@ that corrupts KV shows as a changed answer."""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from conftest import forest_stats
+from conftest import forest_stats, generate, stream_chunks
 from sglang_tokendance.core.segments import DEFAULT_SEPARATOR as SEP
 from sglang_tokendance.server_process import ServerProcess
 
@@ -39,11 +38,8 @@ def agent_prompt(agent: int, blocks: int = 3) -> str:
     return SEP.join([f"You are agent {agent}, who keeps the {WORDS[agent % len(WORDS)]}.", *chosen, " Reply:"])
 
 
-def post(url: str, text: str, max_new_tokens: int = 4, **extra) -> dict:
-    body = {"text": text, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, **extra}}
-    r = requests.post(url + "/generate", json=body, timeout=900)
-    r.raise_for_status()
-    return r.json()
+def post(url: str, text: str, max_new_tokens: int = 4, **sampling) -> dict:
+    return generate(url, text, max_new_tokens, sampling)
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +75,7 @@ def test_retracted_reusing_requests_rerun_to_the_clean_answer(server, clean):
 def stream(url: str, body: dict):
     response = requests.post(url + "/generate", json={**body, "stream": True}, stream=True, timeout=900)
     response.raise_for_status()
-    return response, (json.loads(line[5:]) for line in response.iter_lines()
-                      if line.startswith(b"data:") and line != b"data: [DONE]")
+    return response, stream_chunks(response)
 
 
 def test_client_disconnects_mid_decode_and_flush_waits_for_running_requests(server, clean):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import requests
 
-from conftest import assert_no_leak
+from conftest import assert_no_leak, generate
 from sglang_tokendance.server_process import ServerProcess
 from sglang_tokendance.tiny_models import write_tiny_model
 from test_blend_server import AUTHOR, READER, output_logprobs, with_logprobs
@@ -53,11 +53,7 @@ def plain_answers(url: str) -> list[tuple[list[int], list[float], int]]:
 
 
 def with_logprobs_batch(url: str, texts: list[str]) -> list[dict]:
-    body = {"text": texts, "cache_salt": ["plain"] * len(texts), "return_logprob": True,
-            "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
-    r = requests.post(url + "/generate", json=body, timeout=300)
-    r.raise_for_status()
-    return r.json()
+    return generate(url, texts, 12, cache_salt=["plain"] * len(texts), return_logprob=True)
 
 
 def test_mirror_servers_use_the_tokendance_attention_backend(dense_server, mirror_server):

@@ -11,6 +11,8 @@ recomputed.
 
 from __future__ import annotations
 
+import torch
+
 from sglang_tokendance.core.blend import RequestRow, blended_prefill
 from sglang_tokendance.srt import forest
 from sglang_tokendance.srt.model import PoolKV, SGLangLayers
@@ -38,12 +40,13 @@ def model_forward(original, model, input_ids, positions, forward_batch, *args, *
     layers = SGLangLayers(model, forward_batch)
     hidden, stats = blended_prefill(layers, PoolKV(get_token_to_kv_pool(), layers), input_ids, positions, rows,
                                     active.blend, active.rule, active.keys.rope_on_read)
-    start = 0  # stats.kept covers the batch's reused tokens in batch order
-    for plan in filter(None, plans):
-        n = plan.reused_tokens
-        kept = 0 if stats.kept is None else int(stats.kept[start:start + n].sum())  # None: ratio 0
-        start += n
-        active.record_recomputed(plan, kept)
+    reusing = [plan for plan in plans if plan is not None]
+    if stats.kept is None:  # ratio 0: nothing recomputed
+        kept = [0] * len(reusing)
+    else:  # stats.kept covers the batch's reused tokens in batch order; one host sync for the batch
+        kept = torch.stack([part.sum() for part in stats.kept.split([p.reused_tokens for p in reusing])]).tolist()
+    for plan, recomputed in zip(reusing, kept):
+        active.record_recomputed(plan, recomputed)
     return hidden
 
 
