@@ -9,7 +9,7 @@ import threading
 import pytest
 from aiohttp import web
 
-from sglang_tokendance.bench.multiagent import MODES, run_load
+from sglang_tokendance.bench.multiagent import MODES, RoundRecord, RunResult, run_load
 from sglang_tokendance.bench.workloads import PRESETS, WorkloadConfig, make_simulation
 from sglang_tokendance.core.segments import DEFAULT_SEPARATOR as SEP
 
@@ -210,3 +210,13 @@ def test_token_layers_from_the_servers_counts_match_the_blended_prefills(scenari
                                reused - kept, "", recomputed_tokens=kept)
         total += token_layers(record, options, model.num_layers)
     assert total == stats.token_layers
+
+
+def test_a_rounds_peak_kv_counts_only_samples_taken_while_it_ran():
+    result = RunResult("tokendance", 2, float("inf"), t0=100.0)
+    result.rounds = [RoundRecord(0, 0, 2, start=101.0, latency=2.0, prefill=1.0, decode=1.0),
+                     RoundRecord(0, 1, 2, start=104.0, latency=1.0, prefill=0.5, decode=0.5)]
+    result.kv_usage = [(0.5, 900), (1.0, 10), (2.5, 40), (3.0, 30), (3.5, 800), (4.2, 6), (5.0, 8), (6.0, 700)]
+    result.record_round_peaks()
+    assert [r.peak_kv_tokens for r in result.rounds] == [40, 8]
+    assert result.summary()["peak_kv_tokens_per_agent"] == pytest.approx((20 + 4) / 2)

@@ -94,6 +94,7 @@ class RoundRecord:
     latency: float
     prefill: float
     decode: float
+    peak_kv_tokens: int = 0  # most KV held by live requests while the round ran (sampled)
 
 
 @dataclass
@@ -103,7 +104,8 @@ class RunResult:
     request_rate: float
     requests: list[RequestRecord] = field(default_factory=list)
     rounds: list[RoundRecord] = field(default_factory=list)
-    kv_usage: list[tuple[float, int]] = field(default_factory=list)  # (seconds, used tokens)
+    kv_usage: list[tuple[float, int]] = field(default_factory=list)  # (seconds since `t0`, used tokens)
+    t0: float = 0.0  # perf_counter when the run started (rounds' `start` is on the same clock)
     errors: list[str] = field(default_factory=list)  # failed requests (HTTP error, stream error, timeout)
     wall: float = 0.0
 
@@ -137,7 +139,15 @@ class RunResult:
             "reused_tokens": sum(q.reused_tokens for q in self.requests),
             "completion_tokens": sum(q.completion_tokens for q in self.requests),
             "peak_kv_used_tokens": max((u for _, u in self.kv_usage), default=0),
+            "peak_kv_tokens_per_agent": mean(r.peak_kv_tokens / r.num_agents for r in self.rounds),
         }
+
+    def record_round_peaks(self) -> None:
+        """Each round's peak KV in use: the largest sample taken while it ran (the server's
+        used tokens: live requests' KV, not what its caches could free)."""
+        for r in self.rounds:
+            begin, end = r.start - self.t0, r.start - self.t0 + r.latency
+            r.peak_kv_tokens = max((u for t, u in self.kv_usage if begin <= t <= end), default=0)
 
 
 def quantile(xs: list[float], q: float) -> float:
@@ -253,7 +263,7 @@ async def run_load(url: str, mode: Mode, config: WorkloadConfig, num_sessions: i
     result = RunResult(mode.name, config.num_agents, request_rate)
     arrivals = random.Random(config.seed)
     async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http:
-        t0 = time.perf_counter()
+        t0 = result.t0 = time.perf_counter()
         poller = asyncio.create_task(poll_kv_usage(http, url, t0, result.kv_usage))
         tasks = []
         for s in range(num_sessions):
@@ -266,4 +276,5 @@ async def run_load(url: str, mode: Mode, config: WorkloadConfig, num_sessions: i
         finally:
             poller.cancel()
         result.wall = time.perf_counter() - t0
+    result.record_round_peaks()
     return result
