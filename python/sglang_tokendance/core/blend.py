@@ -155,6 +155,7 @@ class BlendStats:
     reused_tokens: int = 0
     kept_tokens: int = 0
     adopted_tokens: int = 0  # reused tokens that skipped the probe (shared probe)
+    adopted: torch.Tensor | None = field(default=None, repr=False)  # mask over the reused tokens
     kept: torch.Tensor | None = field(default=None, repr=False)  # mask over the reused tokens
 
 
@@ -321,7 +322,7 @@ def finish(model: LayerwiseModel, kv: KVStore, checked: Probe, kept: torch.Tenso
     where = torch.full((computed.numel(),), -1, dtype=torch.int64, device=computed.device)
     where[rows] = torch.arange(rows.numel(), device=computed.device)
     stats = dataclasses.replace(batch.stats, kept=kept, kept_tokens=int(kept.sum()), token_layers=token_layers,
-                                adopted_tokens=int(batch.adopted.sum()))
+                                adopted=batch.adopted, adopted_tokens=int(batch.adopted.sum()))
     return _run_layers(model, kv, batch, hidden[where[computed]], computed, c + 1, stats)
 
 
