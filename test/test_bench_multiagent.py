@@ -69,7 +69,7 @@ def fake():
     return FakeServer()
 
 
-@pytest.mark.parametrize("mode", ["radix", "tokendance"])
+@pytest.mark.parametrize("mode", ["radix", "tokendance", "tokendance-collective"])
 def test_rounds_feed_outputs_forward(fake, mode):
     fake.bodies.clear()
     config = WorkloadConfig(**{**PRESETS["generative_agents"].__dict__, "num_agents": 3, "num_rounds": 3})
@@ -77,10 +77,15 @@ def test_rounds_feed_outputs_forward(fake, mode):
     result = asyncio.run(run_load(fake.url, MODES[mode], config, 2, float("inf"), progress))
     assert progress.n == 6 and len(result.rounds) == 6 and len(result.requests) == 18
     assert len(fake.bodies) == 18
-    assert all((SEP in b["text"]) == (mode == "tokendance") for b in fake.bodies)
+    assert all((SEP in b["text"]) == (mode != "radix") for b in fake.bodies)
     assert all(b["stream"] and b["sampling_params"]["temperature"] == 0 for b in fake.bodies)
     # TokenDance registers every output as the next round's shared block; stock gets no field.
-    assert all((b.get("tokendance") == {"register_output": True}) == (mode == "tokendance") for b in fake.bodies)
+    assert all(b.get("tokendance", {}).get("register_output", False) == (mode != "radix") for b in fake.bodies)
+    rounds = {b["tokendance"]["round"] for b in fake.bodies if "round" in b.get("tokendance", {})}
+    if mode == "tokendance-collective":  # a named round per session and round, of all its agents
+        assert len(rounds) == 6 and all(b["tokendance"]["round_size"] == 3 for b in fake.bodies)
+    else:
+        assert not rounds
     sim = make_simulation(config)
     # Round 0 of session 0 shares the seed messages; later rounds share real outputs.
     session0 = [b for b in fake.bodies if sim.agents[0].history.split("\n")[0] in b["text"]]
