@@ -215,3 +215,29 @@ def test_token_layers_from_the_servers_counts_match_the_blended_prefills(scenari
                                reused - kept, "", recomputed_tokens=kept)
         total += token_layers(record, options, model.num_layers)
     assert total == stats.token_layers
+
+
+def test_token_layers_count_a_shared_probe():
+    """With a shared probe the members that adopt a segment skip its probe and catch up their
+    kept tokens: the count from per-request adopted/recomputed tokens equals core/blend's."""
+    import torch
+
+    from sglang_tokendance.bench.multiagent import RequestRecord
+    from sglang_tokendance.bench_multiagent import token_layers
+    from test_blend_golden import tiny
+    from test_blend_groups import SHARED_PROBE, Round
+
+    model = tiny("llama")
+    together = Round(model)
+    with torch.no_grad():
+        _, stats, _ = together.run(model, SHARED_PROBE)
+    total, start = 0, 0
+    for row in together.rows:
+        reused = sum(run.end - run.start for run in row.reused)
+        kept = int(stats.kept[start:start + reused].sum())
+        adopted = int(stats.adopted[start:start + reused].sum())
+        start += reused
+        record = RequestRecord(0, 0, 0, 0.0, 0.0, row.num_tokens, 0, 1, reused - kept, "", recomputed_tokens=kept,
+                               adopted_tokens=adopted)
+        total += token_layers(record, SHARED_PROBE, model.num_layers)
+    assert total == stats.token_layers and stats.adopted_tokens > 0

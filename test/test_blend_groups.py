@@ -16,7 +16,7 @@ from sglang_tokendance.core.blend import BlendOptions, ReusedRun, RequestRow, bl
 from sglang_tokendance.core.collective import GroupRun, share_runs
 from sglang_tokendance.core.rope import RopeSpec, rotate, unrotate
 from sglang_tokendance.core.selection import ReusedSegment, rule_named, select_kept
-from sglang_tokendance.tiny_models import tiny_config
+from test_blend_golden import tiny
 
 C = 2  # check layer (the tiny models have 4 layers)
 PER_REQUEST = BlendOptions(recompute_ratio=0.3, check_layer=C)
@@ -28,12 +28,7 @@ RULE = rule_named("attention-kv")
 
 @pytest.fixture(scope="module")
 def model() -> HFLayerwise:
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    config = tiny_config("llama")
-    config.vocab_size = 512
-    return HFLayerwise(AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval())
+    return tiny("llama")
 
 
 def rand(n: int, seed: int) -> torch.Tensor:

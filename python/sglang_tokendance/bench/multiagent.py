@@ -88,6 +88,7 @@ class RequestRecord:
     recomputed_tokens: int = 0  # reused tokens the blended prefill computed again
     computed_tokens: int = 0  # every prompt token the forward computed (0 on stock servers)
     segment_hits: int = 0  # cached segments the request reused
+    adopted_tokens: int = 0  # reused tokens that skipped the probe (its round group's shared probe)
 
 
 @dataclass
@@ -226,7 +227,7 @@ async def run_session(http, url: str, mode: Mode, sim: Simulation, session: int,
                 session, round_index, agent, ttft, req_latency, meta["prompt_tokens"],
                 meta.get("cached_tokens", 0), meta["completion_tokens"], reuse.get("reused_tokens", 0),
                 last["text"], reuse.get("recomputed_tokens", 0), reuse.get("computed_tokens", 0),
-                reuse.get("segment_hits", 0),
+                reuse.get("segment_hits", 0), reuse.get("adopted_tokens", 0),
             ))
         if prefill_only:
             blocks = await register_stand_ins(http, url, mode, sim, round_index, blocks)
