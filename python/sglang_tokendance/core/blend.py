@@ -25,7 +25,8 @@ those segments are kept at the same offsets in every member. With a shared probe
 others' tokens of it skip the probe (the probe's tokens read their cached KV) and adopt the
 group's choice, and their kept tokens catch up through layers 0..c in a stage of their own
 after the check, over the KV as written back: probe work per shared segment is k members'
-whatever the group's size.
+whatever the group's size. (Under dense write-back the adopted tokens not kept keep their
+cached KV: they have no probe KV to write.)
 r = 1 is a full prefill (run as one: every token is kept whatever the scores); r = 0
 recomputes nothing, not even the probe: only fresh tokens run, attending to the cached KV at
 every layer.
