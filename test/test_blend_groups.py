@@ -16,7 +16,8 @@ from sglang_tokendance.core.blend import BlendOptions, ReusedRun, RequestRow, bl
 from sglang_tokendance.core.collective import GroupRun, share_runs
 from sglang_tokendance.core.rope import RopeSpec, rotate, unrotate
 from sglang_tokendance.core.selection import ReusedSegment, rule_named, select_kept
-from test_blend_golden import tiny
+from sglang_tokendance.core.rope_attention import RopeOnRead
+from test_blend_golden import rotate_rows, tiny
 
 C = 2  # check layer (the tiny models have 4 layers)
 PER_REQUEST = BlendOptions(recompute_ratio=0.3, check_layer=C)
@@ -76,10 +77,17 @@ class Round:
                 for layer, (k, v) in enumerate(cached[run.segment]):
                     self.kv.write(layer, slots, rotate(k, at, spec), v)
 
-    def run(self, model, options: BlendOptions, rows=None):
+    def run(self, model, options: BlendOptions, rows=None, rope_on_read: RopeOnRead | None = None):
+        """The batch's blended prefill; with `rope_on_read`, over the pool kept un-rotated (its
+        K handed back rotated, to compare)."""
+        spec = RopeSpec.from_hf_config(model.lm.config)
         kv = self.kv.clone()
+        if rope_on_read is not None:
+            kv = rotate_rows(kv, self.rows, lambda k, p: unrotate(k, p, spec))
         hidden, stats = blended_prefill(model, kv, torch.cat(self.ids), torch.cat(self.positions),
-                                        rows or self.rows, options, RULE)
+                                        rows or self.rows, options, RULE, rope_on_read)
+        if rope_on_read is not None:
+            kv = rotate_rows(kv, self.rows, lambda k, p: rotate(k, p, spec))
         return hidden, stats, kv
 
     def kept_offsets(self, kept: torch.Tensor) -> list[set]:
@@ -222,3 +230,15 @@ def test_bad_group_options():
         BlendOptions(group_selection="best")
     with pytest.raises(ValueError, match="aligned"):
         BlendOptions(group_probe=1)
+
+
+@torch.no_grad()
+def test_mirror_storage_computes_what_dense_storage_computes(model):
+    """K kept un-rotated and rotated on read: the same selection and, within float rounding, the
+    same outputs and KV, the shared probe's catch-up stage included."""
+    together = Round(model)
+    dense = together.run(model, SHARED_PROBE)
+    mirror = together.run(model, SHARED_PROBE, rope_on_read=RopeOnRead(RopeSpec.from_hf_config(model.lm.config)))
+    assert torch.equal(mirror[1].kept, dense[1].kept) and mirror[1].token_layers == dense[1].token_layers
+    for a, b in ((mirror[0], dense[0]), (mirror[2].k, dense[2].k), (mirror[2].v, dense[2].v)):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
