@@ -69,7 +69,7 @@ def fake():
     return FakeServer()
 
 
-@pytest.mark.parametrize("mode", ["radix", "tokendance"])
+@pytest.mark.parametrize("mode", ["radix", "tokendance", "tokendance-collective"])
 def test_rounds_feed_outputs_forward(fake, mode):
     fake.bodies.clear()
     config = WorkloadConfig(**{**PRESETS["generative_agents"].__dict__, "num_agents": 3, "num_rounds": 3})
@@ -77,10 +77,15 @@ def test_rounds_feed_outputs_forward(fake, mode):
     result = asyncio.run(run_load(fake.url, MODES[mode], config, 2, float("inf"), progress))
     assert progress.n == 6 and len(result.rounds) == 6 and len(result.requests) == 18
     assert len(fake.bodies) == 18
-    assert all((SEP in b["text"]) == (mode == "tokendance") for b in fake.bodies)
+    assert all((SEP in b["text"]) == (mode != "radix") for b in fake.bodies)
     assert all(b["stream"] and b["sampling_params"]["temperature"] == 0 for b in fake.bodies)
     # TokenDance registers every output as the next round's shared block; stock gets no field.
-    assert all((b.get("tokendance") == {"register_output": True}) == (mode == "tokendance") for b in fake.bodies)
+    assert all(b.get("tokendance", {}).get("register_output", False) == (mode != "radix") for b in fake.bodies)
+    rounds = {b["tokendance"]["round"] for b in fake.bodies if "round" in b.get("tokendance", {})}
+    if mode == "tokendance-collective":  # a named round per session and round, of all its agents
+        assert len(rounds) == 6 and all(b["tokendance"]["round_size"] == 3 for b in fake.bodies)
+    else:
+        assert not rounds
     sim = make_simulation(config)
     # Round 0 of session 0 shares the seed messages; later rounds share real outputs.
     session0 = [b for b in fake.bodies if sim.agents[0].history.split("\n")[0] in b["text"]]
@@ -220,3 +225,29 @@ def test_a_rounds_peak_kv_counts_only_samples_taken_while_it_ran():
     result.record_round_peaks()
     assert [r.peak_kv_tokens for r in result.rounds] == [40, 8]
     assert result.summary()["peak_kv_tokens_per_agent"] == pytest.approx((20 + 4) / 2)
+
+
+def test_token_layers_count_a_shared_probe():
+    """With a shared probe the members that adopt a segment skip its probe and catch up their
+    kept tokens: the count from per-request adopted/recomputed tokens equals core/blend's."""
+    import torch
+
+    from sglang_tokendance.bench.multiagent import RequestRecord
+    from sglang_tokendance.bench_multiagent import token_layers
+    from test_blend_golden import tiny
+    from test_blend_groups import SHARED_PROBE, Round
+
+    model = tiny("llama")
+    together = Round(model)
+    with torch.no_grad():
+        _, stats, _ = together.run(model, SHARED_PROBE)
+    total, start = 0, 0
+    for row in together.rows:
+        reused = sum(run.end - run.start for run in row.reused)
+        kept = int(stats.kept[start:start + reused].sum())
+        adopted = int(stats.adopted[start:start + reused].sum())
+        start += reused
+        record = RequestRecord(0, 0, 0, 0.0, 0.0, row.num_tokens, 0, 1, reused - kept, "", recomputed_tokens=kept,
+                               adopted_tokens=adopted)
+        total += token_layers(record, SHARED_PROBE, model.num_layers)
+    assert total == stats.token_layers and stats.adopted_tokens > 0

@@ -8,7 +8,8 @@ from dataclasses import replace
 import pytest
 
 from sglang_tokendance.bench.quality import (ORACLE, PLAIN, QualityConfig, QualityRunner, Setting, common_prefix,
-                                             evaluate_prompt, kl_top, measure_divergence, summarize)
+                                             evaluate_group, evaluate_prompt, group_settings, kl_top,
+                                             measure_divergence, summarize)
 from sglang_tokendance.bench.quality_server import Workload
 from sglang_tokendance.bench.workloads import make_simulation, preset_config
 from sglang_tokendance.tiny_models import write_tiny_model
@@ -87,6 +88,32 @@ def test_every_setting_against_the_full_prefill(runner):
     assert all(r["recomputed_share"] == r["ratio"] for r in rows if r["rule"] == ORACLE)
 
 
+def test_round_group_modes(runner):
+    """One round of 3 agents in one batch: per-request, aligned and shared-probe selection at
+    the same ratios; ratio 1 is a full prefill in every mode, the shared probe skips probing
+    the agents after the first and does less work than aligned selection at the same ratio."""
+    sim = make_simulation(preset_config("generative_agents", num_agents=3, num_rounds=1, history_words=20,
+                                        block_words=25, max_new_tokens=6))
+    store = runner.seed_store(sim)
+    prompts = [runner.agent_prompt(sim, i, 0, sim.seed_messages) for i in range(3)]
+    config = replace(CONFIG, ratios=(0.3, 1.0), check_layers=(2,))
+    settings = group_settings(config, probes=(1,))
+    assert [s.label for s in settings[:3]] == ["attention-kv r=0.3 c=2 s=1", "attention-kv r=0.3 c=2 s=1 g=aligned",
+                                               "attention-kv r=0.3 c=2 s=1 g=aligned k=1"]
+    assert Setting.parse(settings[2].label) == settings[2]
+    samples = evaluate_group(runner, prompts, store, config, settings)
+    assert len(samples) == 3 * (1 + len(settings))
+    by = {(s.setting, s.agent): s for s in samples}
+    for s in samples:
+        if s.ratio == 1.0:
+            assert s.first_kl < 1e-6 and max(s.decode_kls) < 1e-6, s.setting
+    aligned, shared = settings[1].label, settings[2].label
+    assert sum(by[(shared, a)].adopted_tokens for a in range(3)) > 0 == by[(shared, 0)].adopted_tokens
+    assert by[(shared, 0)].token_layers < by[(aligned, 0)].token_layers  # the batch's work
+    rows = {r["setting"]: r for r in summarize(samples)}
+    assert rows[shared]["adopted_share"] > 0 == rows[aligned]["adopted_share"]
+
+
 def test_simulation_divergence(runner):
     results = measure_divergence(runner, CONFIG)
     assert [r.setting for r in results] == [PLAIN, "cacheblend-k r=0.3 c=1", "cacheblend-k r=0.3 c=2",
@@ -118,6 +145,13 @@ def test_cli_writes_results(tmp_path, tiny_path):
     for bad in (["--server-settings", "best r=1 c=1"], ["--server-workloads", "agents=3"], ["--decode-steps", "0"]):
         with pytest.raises(SystemExit):
             bench_quality.parse_args(bad)
+    groups = tmp_path / "groups.jsonl"
+    bench_quality.main(["--model-path", str(tiny_path), "--groups", "--num-agents", "2", "--ratios", "0.5",
+                        "--check-layers", "2", "--continuation-tokens", "4", "--decode-steps", "3",
+                        "--history-words", "20", "--block-words", "25", "--output-file", str(groups)])
+    kinds = {json.loads(line)["kind"] for line in groups.read_text().splitlines()}
+    assert kinds == {"group_sample", "group_summary", "group_versus"}
+    assert "kl_vs_per_request" in groups.with_suffix(".md").read_text() and groups.with_suffix(".png").stat().st_size
     server = bench_quality.parse_args(["--server", "--server-workloads", "N=6 w=40;N=3 w=30 chunk=64"])
     assert server.server_workloads == (Workload(6, 40), Workload(3, 30, 64))
     assert server.server_settings[0] == bench_quality.server_default_setting()

@@ -121,10 +121,10 @@ def test_a_segment_split_over_chunks_is_reused_piecewise_and_counted_once():
     assert state.first_reused == NOT_REUSED
     first = state.plan_chunk(table, 0, 32)  # chunk [0, 32): the head of "a"
     assert [(r.start, r.end, r.segment_offset) for r in first.runs] == [(10, 32, 0)]
-    assert first.extend_runs()[0] == (10, 32, 0) and first.hits == 1 and state.first_reused == 10
+    assert first.extend_runs()[0] == (10, 32, 0, state.key("a")) and first.hits == 1 and state.first_reused == 10
     second = state.plan_chunk(table, 32, 64)  # the rest of "a" (from its token 22), the head of "b"
     assert [(r.start, r.end, r.segment_offset) for r in second.runs] == [(32, 50, 22)]
-    assert second.extend_runs()[0] == (0, 18, 22)
+    assert second.extend_runs()[0] == (0, 18, 22, state.key("a"))
     assert (second.hits, second.misses) == (0, 1)  # "a" was counted in the first chunk; "b" misses
     third = state.plan_chunk(table, 64, 120)
     assert third.runs == [] and (third.hits, third.misses) == (0, 0)

@@ -2,7 +2,9 @@
 are admitted in one prefill batch, plain requests are not delayed by a held round, a missing
 member costs only the window, an aborted held member leaves no state, overlapping requests
 form inferred rounds, and the round fields reach the scheduler from /generate, the OpenAI API
-and the frontend language. Bad round fields are 400s. After each: the leak invariant."""
+and the frontend language. A round's members that read the same cached blocks in one batch
+run the collective blended prefill (aligned selection, one member probing). Bad round fields
+are 400s. After each: the leak invariant."""
 
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ def server(tmp_path_factory):
     path = write_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama")
     with ServerProcess(["--model-path", str(path), "--tokendance-round-window-ms", str(WINDOW_MS),
                         "--tokendance-round-min-shared", "2", "--tokendance-check-layer", "2",
+                        "--tokendance-group-selection", "aligned", "--tokendance-group-probe", "1",
                         "--enable-metrics"]) as proc:
         yield proc.url
 
@@ -132,6 +135,31 @@ def test_overlapping_requests_form_an_inferred_round(server):
     assert stats["rounds_formed"] == rounds_before + 1
     record = stats["recent_rounds"][-1]
     assert record["inferred"] and record["members"] == 3 and record["admitted"] == [3]
+
+
+def test_a_round_reading_the_same_blocks_is_probed_once_and_recomputes_the_same_offsets(server):
+    """Aligned selection with one prober: in a round whose members all read blocks A and B (cached
+    by an earlier request), one member probes them and every other member adopts all its restored
+    tokens; each member recomputes the same number of them. A round of one adopts nothing."""
+    def run(round_id: str, texts: list[str]) -> list[dict]:
+        sent = [Sent(server, text, tokendance={"round": round_id, "round_size": len(texts)}) for text in texts]
+        for s in sent:
+            s.join()
+            assert s.result.status_code == 200, s.result.text
+        assert record_of(server, round_id)["admitted"] == [len(texts)]
+        return [s.result.json() for s in sent]
+
+    run("prime", [SEP.join(["Notes.", BLOCK_A, BLOCK_B, " Summarise."])])  # caches A and B
+    blocks = [[BLOCK_A, BLOCK_B], [BLOCK_B, BLOCK_A], [BLOCK_A, BLOCK_B]]
+    texts = [SEP.join([f"You are agent {i}, a careful reader.", *order, " What now?"])
+             for i, order in enumerate(blocks)]
+    infos = [out["meta_info"]["tokendance"] for out in run("aligned", texts)]
+    restored = [info["reused_tokens"] + info["recomputed_tokens"] for info in infos]
+    assert all(info["segment_hits"] == 2 for info in infos) and len(set(restored)) == 1
+    assert sorted(info["adopted_tokens"] for info in infos) == [0, restored[0], restored[0]]
+    assert len({info["recomputed_tokens"] for info in infos}) == 1 and infos[0]["recomputed_tokens"] > 0
+    [alone] = run("alone", texts[:1])
+    assert alone["meta_info"]["tokendance"]["adopted_tokens"] == 0
 
 
 def test_openai_extra_body_and_frontend_carry_the_round(server):

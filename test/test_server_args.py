@@ -38,6 +38,9 @@ def test_blend_options_parse_and_validate():
     rounds = parse(["--tokendance-round-window-ms", "250", "--tokendance-round-min-shared", "2"])
     assert (rounds.round_window_ms, rounds.round_min_shared) == (250.0, 2)
     assert TokenDanceArgs.split_kwargs({"tokendance_sparse_writeback": False})[0].sparse_writeback is False
+    group = parse(["--tokendance-group-selection", "aligned", "--tokendance-group-probe", "2"]).blend_options()
+    assert (group.group_selection, group.group_probe) == ("aligned", 2)
+    assert parse([]).blend_options().group_selection == "per-request"
     for flag, value, message in [("--tokendance-recompute-ratio", "1.5", "in \\[0, 1\\]"),
                                  ("--tokendance-check-layer", "0", ">= 1"),
                                  ("--tokendance-selection", "best", "one of cacheblend-k"),
@@ -48,7 +51,10 @@ def test_blend_options_parse_and_validate():
                                  ("--tokendance-screen-factor", "0.5", ">= 1"),
                                  ("--tokendance-round-window-ms", "-1", "in \\[0, 60000\\]"),
                                  ("--tokendance-round-window-ms", "1e9", "in \\[0, 60000\\]"),
-                                 ("--tokendance-round-min-shared", "-2", ">= 0")]:
+                                 ("--tokendance-round-min-shared", "-2", ">= 0"),
+                                 ("--tokendance-group-selection", "best", "one of per-request, aligned"),
+                                 ("--tokendance-group-probe", "-1", ">= 0"),
+                                 ("--tokendance-group-probe", "1", "needs --tokendance-group-selection aligned")]:
         with pytest.raises(TokenDanceArgsError, match=message) as err:
             parse([flag, value])
         assert err.value.flag == flag

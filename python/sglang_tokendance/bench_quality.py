@@ -11,6 +11,11 @@ KV), top-1 / top-5 agreement, common-prefix length of greedy continuations, the 
 and the prefill-time ratio blended / full of one round at the default setting. Writes JSONL,
 a Markdown summary (with this command) and KL-vs-recompute PNGs per N.
 
+With --groups it measures round groups instead (see measure_groups in
+sglang_tokendance/bench/quality.py): every agent of one round at each N in one batch, under
+per-request selection, group-aligned selection and shared probes (--group-probes) at --ratios;
+results go to benchmark/results/quality_groups.{jsonl,md,png} by default.
+
 With --server it measures the same prompts through real servers instead: TokenDance servers
 at --server-settings vs one with --disable-tokendance, compared on top-logprobs beside the
 same truncated measure computed in-process (see sglang_tokendance/bench/quality_server.py);
@@ -28,7 +33,7 @@ import torch
 
 from sglang_tokendance.bench import quality_server, report
 from sglang_tokendance.bench.quality import (PLAIN, QualityConfig, QualityRunner, Setting, decode_kl_by_step,
-                                             measure_divergence, measure_prompts, prefill_timing,
+                                             measure_divergence, measure_groups, measure_prompts, prefill_timing,
                                              sample_dicts, summarize)
 from sglang_tokendance.bench.quality_server import ServerConfig, Workload
 from sglang_tokendance.core.blend import BlendOptions
@@ -37,6 +42,7 @@ from sglang_tokendance.server_args import TokenDanceArgs
 
 DEFAULT_OUTPUT = Path("benchmark/results/quality.jsonl")
 DEFAULT_SERVER_OUTPUT = Path("benchmark/results/quality_server.jsonl")
+DEFAULT_GROUPS_OUTPUT = Path("benchmark/results/quality_groups.jsonl")
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -107,6 +113,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"JSONL; the Markdown summary and PNG plots are written beside it (default: {DEFAULT_OUTPUT}, "
                         f"with --server {DEFAULT_SERVER_OUTPUT})")
     p.add_argument("--no-plot", action="store_true")
+    groups = p.add_argument_group("round-group mode")
+    groups.add_argument("--groups", action="store_true",
+                        help="measure round groups (per-request vs aligned selection vs shared probe) instead of "
+                             "the sweep")
+    groups.add_argument("--group-probes", type=_ints, default=(1,),
+                        help="shared probes to measure: members per shared segment that probe it")
     server = p.add_argument_group("server mode")
     server.add_argument("--server", action="store_true",
                         help="measure through TokenDance servers vs a --disable-tokendance one instead of the sweep")
@@ -180,8 +192,9 @@ def main(argv: list[str] | None = None) -> None:
         args.model_path = str(prepared_default_model())
     runner = QualityRunner(args.model_path)
     command = report.command_line("sglang_tokendance.bench_quality", argv)
-    out = args.output_file or (DEFAULT_SERVER_OUTPUT if args.server else DEFAULT_OUTPUT)
-    (run_server if args.server else run_sweep)(args, runner, out, command)
+    out = args.output_file or (DEFAULT_SERVER_OUTPUT if args.server else DEFAULT_GROUPS_OUTPUT if args.groups
+                               else DEFAULT_OUTPUT)
+    (run_server if args.server else run_groups if args.groups else run_sweep)(args, runner, out, command)
     print(out.with_suffix(".md").read_text())
 
 
@@ -223,6 +236,82 @@ def run_sweep(args: argparse.Namespace, runner: QualityRunner, out: Path, comman
                     config.decode_steps)
             plot_kl(out.with_name(f"{out.stem}_n{n}_work.png"), [r for r in rows if r["agents"] == n], n,
                     config.decode_steps, "work")
+
+
+def run_groups(args: argparse.Namespace, runner: QualityRunner, out: Path, command: str) -> None:
+    """Round-group mode: JSONL, Markdown, plot."""
+    config = config_from(args)
+    samples = measure_groups(runner, config, args.group_probes)
+    rows = summarize(samples)
+    versus = group_versus(rows)
+    report.write_jsonl(out, [{"kind": "group_sample", **s} for s in sample_dicts(samples)]
+                       + [{"kind": "group_summary", **r} for r in rows]
+                       + [{"kind": "group_versus", **v} for v in versus])
+    columns = ["agents", "setting", "recomputed_share", "adopted_share", "work", "first_kl", "decode_kl",
+               "decode_kl_max", "top1", "top5", "common_prefix"]
+    sections = [("Metrics", METRICS.format(steps=config.decode_steps) + GROUP_METRICS),
+                ("Group modes vs per-request selection at the same ratio (decode-step KL)",
+                 report.markdown_table(versus, ["agents", "ratio", "mode", "decode_kl", "per_request_decode_kl",
+                                                "kl_vs_per_request", "within_10pct", "work",
+                                                "per_request_work"]))]
+    sections += [(f"N = {n}: one round, every agent in one batch (mean over agents)",
+                  report.markdown_table([r for r in rows if r["agents"] == n], columns)) for n in config.num_agents]
+    report.write_markdown(out.with_suffix(".md"), "Collective blended prefill: round groups vs per-request selection "
+                          "(SmolLM2-135M)", command, sections)
+    if not args.no_plot:
+        plot_groups(out.with_suffix(".png"), rows, config)
+
+
+GROUP_METRICS = """
+
+Round groups: every agent of one round at each N is prefilled in one batch as one round group.
+`per-request`: each agent selects its own top r of its reused tokens. `g=aligned`: the segments
+two or more agents read are selected together, each offset scored by the mean over the agents,
+the same offsets recomputed in every agent (budget: r of the group's tokens of those segments).
+`k=K`: only the first K agents reading a segment probe it; the others adopt the group's choice
+and compute only their kept tokens through the probe layers (`adopted_share`: share of reused
+tokens that skipped the probe). `work`: the whole batch's token-layers / a full prefill's."""
+
+
+def group_versus(rows: list[dict]) -> list[dict]:
+    """Each group mode's decode-step KL and work beside per-request selection's at the same N
+    and ratio: a group mode may become the default only within 10% of per-request's KL."""
+    base = {(r["agents"], r["ratio"]): r for r in rows
+            if r["rule"] != PLAIN and r["group_selection"] == "per-request"}
+    out = []
+    for r in rows:
+        own = base.get((r["agents"], r["ratio"]))
+        if r["rule"] == PLAIN or r["group_selection"] == "per-request" or own is None:
+            continue
+        mode = "aligned" + (f" k={r['group_probe']}" if r["group_probe"] else "")
+        ratio = r["decode_kl"] / own["decode_kl"] if own["decode_kl"] else None
+        out.append({"agents": r["agents"], "ratio": r["ratio"], "mode": mode, "decode_kl": r["decode_kl"],
+                    "per_request_decode_kl": own["decode_kl"], "kl_vs_per_request": ratio,
+                    "within_10pct": ratio is not None and ratio <= 1.1, "work": r["work"],
+                    "per_request_work": own["work"]})
+    return out
+
+
+def plot_groups(path: Path, rows: list[dict], config: QualityConfig) -> None:
+    """Decode-step KL and work vs recompute ratio, one line per group mode, a panel per N."""
+    panels = []
+    for n in config.num_agents:
+        mine = [r for r in rows if r["agents"] == n]
+        plain = next((r["decode_kl"] for r in mine if r["rule"] == PLAIN), None)
+        for metric, ylabel, logy in (("decode_kl", "mean decode-step KL (log)", True),
+                                     ("work", "token-layers / full prefill's", False)):
+            series: dict[str, tuple[list[float], list[float]]] = {}
+            for r in sorted(mine, key=lambda r: r["ratio"]):
+                if r["rule"] == PLAIN:
+                    continue
+                mode = r["group_selection"] + (f" k={r['group_probe']}" if r["group_probe"] else "")
+                xs, ys = series.setdefault(mode, ([], []))
+                xs.append(r["ratio"])
+                ys.append(r[metric])
+            panels.append(report.Panel(f"N={n}: {metric}", "recompute ratio", ylabel, series,
+                                       hline=plain if metric == "decode_kl" else None,
+                                       hline_label="plain reuse (r=0)", logy=logy))
+    report.plot_panels(path, f"Round groups (first {config.decode_steps} decode steps)", panels)
 
 
 SERVER_MEASURES = """Truncated KL (`tkl`): KL(reference || blended) over the reference's top-{k} tokens plus "any other

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from sglang_tokendance.core.blend import BlendOptions
+from sglang_tokendance.core.blend import GROUP_SELECTIONS, BlendOptions
 from sglang_tokendance.core.segments import DEFAULT_SEPARATOR
 from sglang_tokendance.core.selection import GRANULARITIES, RULES
 
@@ -100,6 +100,16 @@ class TokenDanceArgs:
         "the requests of the last --tokendance-round-window-ms sharing that many with it, held for that window "
         "(0: rounds are only those clients name)."
     )
+    group_selection: str = _option(
+        "per-request", "How a round group that shares a prefill batch selects the reused tokens to recompute: "
+        "per-request (each request its own top share) or aligned (one kept set per segment two or more members "
+        "read: offsets ranked by the members' mean score, the same offsets recomputed in every member)."
+    )
+    group_probe: int = _option(
+        0, "With aligned group selection: only this many members of a round group probe each segment they share "
+        "(the layers up to the check layer); the others adopt the group's choice and compute only their kept "
+        "tokens there (0: every member probes)."
+    )
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -118,10 +128,13 @@ class TokenDanceArgs:
                 bounds = f">= {low:g}" if high is None else f"in [{low:g}, {high:g}]"
                 raise TokenDanceArgsError(flag_of(_field(name)), f"must be {bounds}, got {value}")
         for name, choices in (("selection", SELECTION_RULES), ("selection_granularity", GRANULARITIES),
-                              ("storage", STORAGES)):
+                              ("storage", STORAGES), ("group_selection", GROUP_SELECTIONS)):
             if getattr(self, name) not in choices:
                 raise TokenDanceArgsError(
                     flag_of(_field(name)), f"must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
+        if self.group_probe and self.group_selection != "aligned":
+            raise TokenDanceArgsError(flag_of(_field("group_probe")), "members adopt their group's kept set, which "
+                                      "needs --tokendance-group-selection aligned")
 
     # --- command line -------------------------------------------------------------------
 
@@ -191,7 +204,8 @@ class TokenDanceArgs:
         return BlendOptions(recompute_ratio=self.recompute_ratio, check_layer=self.check_layer,
                             block_head_tokens=self.block_head_tokens, granularity=self.selection_granularity,
                             block_size=self.block_size, sparse_writeback=self.sparse_writeback,
-                            screen_layer=self.screen_layer, screen_factor=self.screen_factor)
+                            screen_layer=self.screen_layer, screen_factor=self.screen_factor,
+                            group_selection=self.group_selection, group_probe=self.group_probe)
 
 
 # KV-cache dtypes stored as plain floats: a restore copies them like any tensor. Quantised
@@ -268,7 +282,7 @@ _TYPES = {"bool": bool, "int": int, "float": float, "str": str}
 _RANGES = {  # field -> (lowest, highest or None) allowed value
     "min_segment_tokens": (1, None), "max_segments": (1, None), "check_layer": (1, None), "block_size": (1, None),
     "block_head_tokens": (0, None), "screen_layer": (0, None), "screen_factor": (1, None), "recompute_ratio": (0, 1),
-    "round_window_ms": (0, 60_000), "round_min_shared": (0, None),
+    "round_window_ms": (0, 60_000), "round_min_shared": (0, None), "group_probe": (0, None),
 }
 
 

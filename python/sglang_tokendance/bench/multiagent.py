@@ -43,6 +43,7 @@ class Mode:
     stock: bool  # stock sglang.launch_server (TokenDance plugin inert) or ours
     server_args: tuple[str, ...] = ()
     marked: bool = False  # send separators (only a TokenDance server understands them)
+    rounds: bool = False  # name each round (`round`, `round_size`): its requests are prefilled as one group
 
     def blend_options(self) -> BlendOptions | None:
         """The blended prefill's options on this mode's server (None for stock SGLang)."""
@@ -65,6 +66,10 @@ MODES: dict[str, Mode] = {
                              server_args=("--tokendance-recompute-ratio", "0")),
     "tokendance-full": Mode("tokendance-full", stock=False, marked=True,  # blended path at ratio 1
                             server_args=("--tokendance-recompute-ratio", "1")),
+    # the collective blended prefill: named rounds, aligned selection, one member probing each shared block
+    "tokendance-collective": Mode("tokendance-collective", stock=False, marked=True, rounds=True,
+                                  server_args=("--tokendance-group-selection", "aligned",
+                                               "--tokendance-group-probe", "1")),
 }
 
 
@@ -83,6 +88,7 @@ class RequestRecord:
     recomputed_tokens: int = 0  # reused tokens the blended prefill computed again
     computed_tokens: int = 0  # every prompt token the forward computed (0 on stock servers)
     segment_hits: int = 0  # cached segments the request reused
+    adopted_tokens: int = 0  # reused tokens that skipped the probe (its round group's shared probe)
 
 
 @dataclass
@@ -178,14 +184,18 @@ async def stream_generate(http: aiohttp.ClientSession, url: str, body: dict) -> 
 
 
 def request_body(sim: Simulation, mode: Mode, agent: int, round_index: int, blocks: list[str],
-                 prefill_only: bool = False) -> dict:
+                 prefill_only: bool = False, round_id: str = "") -> dict:
     """Marked prompts for TokenDance, which also registers each output as next round's block
-    (except in prefill-only sessions, whose next blocks are stand-ins)."""
+    (except in prefill-only sessions, whose next blocks are stand-ins); under a mode with
+    rounds, the request names its round `round_id` (of all the simulation's agents)."""
     text = (sim.prompt_text if mode.marked else sim.plain_prompt)(agent, round_index, blocks)
     max_new = 1 if prefill_only else sim.config.max_new_tokens
     body = {"text": text, "sampling_params": {"max_new_tokens": max_new, "temperature": 0}}
-    if mode.marked and not prefill_only:
-        body["tokendance"] = {"register_output": True}
+    options = {"register_output": True} if mode.marked and not prefill_only else {}
+    if mode.rounds:
+        options |= {"round": round_id, "round_size": len(sim.agents)}
+    if options:
+        body["tokendance"] = options
     return body
 
 
@@ -204,8 +214,10 @@ async def run_session(http, url: str, mode: Mode, sim: Simulation, session: int,
                       watch: Callable[[int], ContextManager] | None = None) -> None:
     """One simulation's rounds; `watch(round_index)` wraps each timed round (e.g. a profiler)."""
     blocks = list(sim.seed_messages)
+    run_id = f"{time.time_ns()}-{session}"  # round ids unique per server, whatever ran on it before
     for round_index in range(sim.config.num_rounds):
-        bodies = [request_body(sim, mode, a, round_index, blocks, prefill_only) for a in range(len(sim.agents))]
+        bodies = [request_body(sim, mode, a, round_index, blocks, prefill_only, f"{run_id}-{round_index}")
+                  for a in range(len(sim.agents))]
         with watch(round_index) if watch else contextlib.nullcontext():
             start = time.perf_counter()
             answers = await asyncio.gather(*(stream_generate(http, url, b) for b in bodies), return_exceptions=True)
@@ -225,7 +237,7 @@ async def run_session(http, url: str, mode: Mode, sim: Simulation, session: int,
                 session, round_index, agent, ttft, req_latency, meta["prompt_tokens"],
                 meta.get("cached_tokens", 0), meta["completion_tokens"], reuse.get("reused_tokens", 0),
                 last["text"], reuse.get("recomputed_tokens", 0), reuse.get("computed_tokens", 0),
-                reuse.get("segment_hits", 0),
+                reuse.get("segment_hits", 0), reuse.get("adopted_tokens", 0),
             ))
         if prefill_only:
             blocks = await register_stand_ins(http, url, mode, sim, round_index, blocks)

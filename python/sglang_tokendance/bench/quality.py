@@ -19,6 +19,10 @@ and the work done (token-layers computed). The probe layers 0..c are computed on
 layer and shared by every rule and ratio. A multi-round simulation (outputs become the next round's blocks,
 registered with their authors' KV) gives the rounds to first divergence per setting.
 The oracle rule scores tokens by their true KV deviation from the full prefill (a ceiling).
+
+Round groups (`measure_groups`): every agent's prompt of one round in one extend batch, as the
+server's round policy admits them, under per-request selection, group-aligned selection and a
+shared probe (core/blend) at the same recompute ratios; the same measures per agent.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ from tqdm import tqdm
 
 from sglang_tokendance.bench.hf_layerwise import DenseKV, HFLayerwise
 from sglang_tokendance.bench.workloads import Simulation, make_simulation, message_block, preset_config
-from sglang_tokendance.core.blend import BlendOptions, BlendStats, RequestRow, blended_prefill, finish, probe, select
+from sglang_tokendance.core.blend import (BlendOptions, BlendStats, RequestRow, ReusedRun, blended_prefill, finish,
+                                          probe, select)
 from sglang_tokendance.core.rope import RopeSpec, rotate, unrotate
 from sglang_tokendance.core.segments import DEFAULT_SEPARATOR, Segmenter, SegmentedPrompt, segment_hash
 from sglang_tokendance.core.selection import RULES, fixed_scores, rule_named
@@ -48,16 +53,21 @@ class Setting:
     ratio: float = 0.0
     check_layer: int = 1
     screen_layer: int = 0  # 0: no screen
+    group: str = "per-request"  # group selection (core/blend GROUP_SELECTIONS)
+    probe: int = 0  # shared probe: members per shared segment that probe it (0: all)
 
     @property
     def label(self) -> str:
         if self.rule in (PLAIN, FULL):
             return self.rule
         screen = f" s={self.screen_layer}" if self.screen_layer else ""
-        return f"{self.rule} r={self.ratio:g} c={self.check_layer}{screen}"
+        group = f" g={self.group}" if self.group != "per-request" else ""
+        probe = f" k={self.probe}" if self.probe else ""
+        return f"{self.rule} r={self.ratio:g} c={self.check_layer}{screen}{group}{probe}"
 
     def options(self, base: BlendOptions) -> BlendOptions:
-        return replace(base, recompute_ratio=self.ratio, check_layer=self.check_layer, screen_layer=self.screen_layer)
+        return replace(base, recompute_ratio=self.ratio, check_layer=self.check_layer, screen_layer=self.screen_layer,
+                       group_selection=self.group, group_probe=self.probe)
 
     @classmethod
     def parse(cls, label: str) -> "Setting":
@@ -66,10 +76,11 @@ class Setting:
         if rule in (PLAIN, FULL) and not fields:
             return cls(rule)
         values = dict(f.split("=", 1) if "=" in f else (f, "") for f in fields)
-        if rule not in RULES or not {"r", "c"} <= set(values) <= {"r", "c", "s"}:
-            raise ValueError(f"bad setting {label!r}: write 'plain' or 'RULE r=RATIO c=CHECK_LAYER [s=SCREEN_LAYER]' "
-                             f"with RULE one of {', '.join(RULES)}")
-        return cls(rule, float(values["r"]), int(values["c"]), int(values.get("s", 0)))
+        if rule not in RULES or not {"r", "c"} <= set(values) <= {"r", "c", "s", "g", "k"}:
+            raise ValueError(f"bad setting {label!r}: write 'plain' or 'RULE r=RATIO c=CHECK_LAYER [s=SCREEN_LAYER] "
+                             f"[g=GROUP_SELECTION] [k=PROBERS]' with RULE one of {', '.join(RULES)}")
+        return cls(rule, float(values["r"]), int(values["c"]), int(values.get("s", 0)),
+                   values.get("g", "per-request"), int(values.get("k", 0)))
 
 
 @dataclass(frozen=True)
@@ -117,6 +128,9 @@ class Sample:
     common_prefix: int  # of the greedy continuations, out of continuation_tokens
     continuation_tokens: int  # the full prefill's continuation (shorter if it ended early)
     decode_kls: list[float]  # per decode step (1, 2, ...): fewer than decode_steps if it ended early
+    group_selection: str = "per-request"
+    group_probe: int = 0
+    adopted_tokens: int = 0  # reused tokens that skipped the probe (shared probe)
 
 
 class SegmentStore:
@@ -134,8 +148,9 @@ class SegmentStore:
                                                   for layer in range(kv.k.shape[0])]),
                                       kv.v[:, at].clone())
 
-    def place(self, prompt: SegmentedPrompt, kv: DenseKV) -> list[tuple[int, int]]:
-        """Rotate every cached segment of `prompt` into its slots; return the reused runs."""
+    def place(self, prompt: SegmentedPrompt, kv: DenseKV) -> list[ReusedRun]:
+        """Rotate every cached segment of `prompt` into its slots; return the reused runs (each
+        naming its segment by hash)."""
         runs = []
         last = len(prompt.input_ids) - 1  # the last prompt token is always computed
         for span in prompt.spans:
@@ -147,7 +162,7 @@ class SegmentStore:
             for layer in range(kv.k.shape[0]):
                 kv.k[layer, at] = rotate(entry[0][layer, :end - span.start], at, self.spec)
                 kv.v[layer, at] = entry[1][layer, :end - span.start]
-            runs.append((span.start, end))
+            runs.append(ReusedRun(span.start, end, 0, span.hash))
         return runs
 
 
@@ -296,7 +311,7 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 def oracle_scores(full_kv: DenseKV, reused_kv: DenseKV, runs: list[tuple[int, int]]) -> torch.Tensor:
     """True deviation of each reused token's KV from the full prefill's, summed over layers
     (each layer normalised by its mean so that no layer dominates)."""
-    at = torch.cat([torch.arange(a, b) for a, b in runs])
+    at = torch.cat([torch.arange(run.start, run.end) for run in runs])
     dev = ((full_kv.k[:, at] - reused_kv.k[:, at]).pow(2).sum((2, 3))
            + (full_kv.v[:, at] - reused_kv.v[:, at]).pow(2).sum((2, 3)))  # [layers, R]
     return (dev / dev.mean(1, keepdim=True).clamp_min(1e-12)).sum(0)
@@ -306,30 +321,15 @@ def oracle_scores(full_kv: DenseKV, reused_kv: DenseKV, runs: list[tuple[int, in
 def evaluate_prompt(runner: QualityRunner, prompt: SegmentedPrompt, store: SegmentStore, config: QualityConfig,
                     agents: int, agent: int) -> list[Sample]:
     """Every setting of `config` on one prompt (probe layers shared per check layer)."""
-    ids, steps = prompt.input_ids, config.continuation_tokens
-    room = len(ids) + max(steps, config.decode_steps)
-    full_kv = runner.new_kv(room)
-    full_logits, full_stats = runner.prefill(ids, full_kv, [], BlendOptions())
-    reference = runner.greedy(full_kv, len(ids), full_logits, max(steps, config.decode_steps))
-    forced = runner.forced_inputs(reference, config.decode_steps)
-    full_decode = runner.extend(full_kv, forced, len(ids))
-    reference = reference[:steps]
+    ids = prompt.input_ids
+    room = room_for(prompt, config)
+    ref, full_kv = reference_of(runner, ids, config, room)
     reused_kv = runner.new_kv(room)
     runs = store.place(prompt, reused_kv)
     samples = []
 
     def record(setting: Setting, logits, kv, stats) -> None:
-        if config.refresh_last_token:
-            logits = runner.refresh_last(kv, ids)
-            stats = replace(stats, token_layers=stats.token_layers + runner.model.num_layers)
-        kl, top1, top5 = kl_top(full_logits, logits)
-        decode_kls = kl_rows(full_decode, runner.extend(kv, forced, len(ids))).tolist()
-        cont = runner.greedy(kv, len(ids), logits, steps)
-        samples.append(Sample(agents, agent, setting.label, setting.rule, setting.ratio, setting.check_layer,
-                              setting.screen_layer, len(ids), stats.reused_tokens, stats.kept_tokens,
-                              stats.token_layers,
-                              stats.full_token_layers, kl, mean_or_none(decode_kls), top1, top5,
-                              common_prefix(reference, cont), len(reference), decode_kls))
+        samples.append(sample_of(runner, ref, ids, config, setting, logits, kv, stats, agents, agent))
 
     kv = reused_kv.clone()
     logits, stats = runner.prefill(ids, kv, runs, BlendOptions())
@@ -354,6 +354,110 @@ def evaluate_prompt(runner: QualityRunner, prompt: SegmentedPrompt, store: Segme
     for setting in filter(None, (screened_setting(config, r) for r in config.ratios)):  # own probes
         logits, kv, stats, _ = runner.run_setting(prompt, store, setting, config.options, room)
         record(setting, logits, kv, stats)
+    return samples
+
+
+@dataclass
+class Reference:
+    """A prompt's full prefill: last-token logits, the greedy continuation, the teacher-forced
+    decode inputs and the logits of those decode steps."""
+
+    logits: torch.Tensor
+    continuation: list[int]
+    forced: list[int]
+    decode: torch.Tensor
+
+
+def room_for(prompt: SegmentedPrompt, config: QualityConfig) -> int:
+    """KV slots a prompt's measures need: the prompt and its continuation."""
+    return len(prompt.input_ids) + max(config.continuation_tokens, config.decode_steps)
+
+
+def reference_of(runner: QualityRunner, ids: list[int], config: QualityConfig, room: int
+                 ) -> tuple[Reference, DenseKV]:
+    """The full prefill's reference measures, and its KV (in `room` slots)."""
+    full_kv = runner.new_kv(room)
+    logits, _ = runner.prefill(ids, full_kv, [], BlendOptions())
+    continuation = runner.greedy(full_kv, len(ids), logits, max(config.continuation_tokens, config.decode_steps))
+    forced = runner.forced_inputs(continuation, config.decode_steps)
+    decode = runner.extend(full_kv, forced, len(ids))
+    return Reference(logits, continuation[:config.continuation_tokens], forced, decode), full_kv
+
+
+def sample_of(runner: QualityRunner, ref: Reference, ids: list[int], config: QualityConfig, setting: Setting,
+              logits: torch.Tensor, kv: DenseKV, stats: BlendStats, agents: int, agent: int) -> Sample:
+    """One prompt's measures at `setting`: its prefill's last-token logits and KV (decoded
+    over, so it is changed) against the reference. `stats` are the prompt's (token-layers
+    may be its batch's)."""
+    if config.refresh_last_token:
+        logits = runner.refresh_last(kv, ids)
+        stats = replace(stats, token_layers=stats.token_layers + runner.model.num_layers)
+    kl, top1, top5 = kl_top(ref.logits, logits)
+    decode_kls = kl_rows(ref.decode, runner.extend(kv, ref.forced, len(ids))).tolist()
+    cont = runner.greedy(kv, len(ids), logits, config.continuation_tokens)
+    return Sample(agents, agent, setting.label, setting.rule, setting.ratio, setting.check_layer,
+                  setting.screen_layer, len(ids), stats.reused_tokens, stats.kept_tokens, stats.token_layers,
+                  stats.full_token_layers, kl, mean_or_none(decode_kls), top1, top5,
+                  common_prefix(ref.continuation, cont), len(ref.continuation), decode_kls, setting.group,
+                  setting.probe, stats.adopted_tokens)
+
+
+def group_settings(config: QualityConfig, probes: Sequence[int]) -> list[Setting]:
+    """Per ratio of the sweep, the server's default rule at the deepest check layer (screened at
+    config.screen_layer when below it) under per-request selection, aligned selection, and
+    aligned selection with each shared probe of `probes`."""
+    deepest = max(config.check_layers)
+    screen = config.screen_layer if 1 <= config.screen_layer < deepest else 0
+    base = [Setting(TokenDanceArgs().selection, ratio, deepest, screen) for ratio in config.ratios]
+    return [replace(b, group=group, probe=k) for b in base
+            for group, k in (("per-request", 0), ("aligned", 0), *(("aligned", k) for k in probes))]
+
+
+@torch.no_grad()
+def evaluate_group(runner: QualityRunner, prompts: Sequence[SegmentedPrompt], store: SegmentStore,
+                   config: QualityConfig, settings: Sequence[Setting]) -> list[Sample]:
+    """A round's prompts prefilled as one batch of one round group, plain reuse and every
+    setting; each agent's measures against its own full prefill. Token-layers are the batch's."""
+    rooms = [room_for(p, config) for p in prompts]
+    refs = [reference_of(runner, p.input_ids, config, room)[0] for p, room in zip(prompts, rooms)]
+    pooled, rows, base = runner.new_kv(sum(rooms)), [], 0
+    for prompt, room in zip(prompts, rooms):
+        kv = runner.new_kv(room)
+        runs = store.place(prompt, kv)
+        pooled.k[:, base:base + room], pooled.v[:, base:base + room] = kv.k, kv.v
+        rows.append(RequestRow(0, len(prompt.input_ids), torch.arange(base, base + room), runs, group="round"))
+        base += room
+    ids = torch.tensor([t for p in prompts for t in p.input_ids])
+    positions = torch.cat([torch.arange(len(p.input_ids)) for p in prompts])
+    ends = torch.tensor([len(p.input_ids) for p in prompts]).cumsum(0)
+    samples = []
+    for setting in (Setting(PLAIN), *settings):
+        kv = pooled.clone()
+        rule = None if setting.rule == PLAIN else rule_named(setting.rule)
+        hidden, stats = blended_prefill(runner.model, kv, ids, positions, rows, setting.options(config.options), rule)
+        logits = runner.model.logits(hidden[ends - 1])
+        reused = [sum(run.end - run.start for run in row.reused) for row in rows]
+        kept = [0] * len(rows) if stats.kept is None else [int(k.sum()) for k in stats.kept.split(reused)]
+        adopted = [0] * len(rows) if stats.adopted is None else [int(a.sum()) for a in stats.adopted.split(reused)]
+        for agent, (prompt, ref, row) in enumerate(zip(prompts, refs, rows)):
+            own = runner.new_kv(row.slots.numel())
+            own.k, own.v = kv.k[:, row.slots].clone(), kv.v[:, row.slots].clone()
+            own_stats = replace(stats, reused_tokens=reused[agent], kept_tokens=kept[agent],
+                                adopted_tokens=adopted[agent])
+            samples.append(sample_of(runner, ref, prompt.input_ids, config, setting, logits[agent], own, own_stats,
+                                     len(prompts), agent))
+    return samples
+
+
+def measure_groups(runner: QualityRunner, config: QualityConfig, probes: Sequence[int] = (1,)) -> list[Sample]:
+    """Round groups at every N of the sweep: one round of all N agents (group_settings)."""
+    samples = []
+    settings = group_settings(config, probes)
+    for n in tqdm(config.num_agents, desc="round groups", unit="round"):
+        sim = make_simulation(_workload(config, n, rounds=1))
+        store = runner.seed_store(sim)
+        prompts = [runner.agent_prompt(sim, i, 0, sim.seed_messages) for i in range(n)]
+        samples.extend(evaluate_group(runner, prompts, store, config, settings))
     return samples
 
 
@@ -478,6 +582,8 @@ def summarize(samples: Iterable[Sample]) -> list[dict]:
         rows.append({
             "agents": agents, "setting": setting, "rule": group[0].rule, "ratio": group[0].ratio,
             "check_layer": group[0].check_layer, "screen_layer": group[0].screen_layer,
+            "group_selection": group[0].group_selection, "group_probe": group[0].group_probe,
+            "adopted_share": sum(s.adopted_tokens for s in group) / max(reused, 1),
             "first_kl": mean_or_none(s.first_kl for s in group), "first_kl_max": max(s.first_kl for s in group),
             "decode_kl": mean_or_none(decode), "decode_kl_max": max(decode, default=None),
             "top1": sum(s.top1 for s in group) / n, "top5": sum(s.top5 for s in group) / n,

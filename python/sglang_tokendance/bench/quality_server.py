@@ -222,7 +222,8 @@ def server_argv(setting: Setting | None, config: ServerConfig, chunked_prefill: 
              "--tokendance-screen-factor", str(options.screen_factor)]
     if setting.rule != PLAIN:
         argv += ["--tokendance-selection", setting.rule, "--tokendance-check-layer", str(setting.check_layer),
-                 "--tokendance-screen-layer", str(setting.screen_layer)]
+                 "--tokendance-screen-layer", str(setting.screen_layer),
+                 "--tokendance-group-selection", setting.group, "--tokendance-group-probe", str(setting.probe)]
     return argv + ([] if options.sparse_writeback else ["--no-tokendance-sparse-writeback"])
 
 

@@ -16,6 +16,17 @@ With sparse write-back (default) the tokens not kept keep their cached KV at lay
 (only the kept ones' probe KV is written), so a request's KV differs from the cached segments
 only at kept tokens -- what a compact Master-Mirror diff needs; dense write-back writes every
 probed token's. The fresh and kept tokens carry on from their probe states.
+Round groups (RequestRow.group) that share an extend batch can run it collectively
+(`group_selection="aligned"`): the runs of a segment that two or more members read are
+selected together (core/collective.share_runs, core/selection.select_kept): each offset's
+score is the mean over the members that scored it, and the top r of the group's tokens of
+those segments are kept at the same offsets in every member. With a shared probe
+(`group_probe` = k > 0) only the first k members reading a shared segment probe it; the
+others' tokens of it skip the probe (the probe's tokens read their cached KV) and adopt the
+group's choice, and their kept tokens catch up through layers 0..c in a stage of their own
+after the check, over the KV as written back: probe work per shared segment is k members'
+whatever the group's size. (Under dense write-back the adopted tokens not kept keep their
+cached KV: they have no probe KV to write.)
 r = 1 is a full prefill (run as one: every token is kept whatever the scores); r = 0
 recomputes nothing, not even the probe: only fresh tokens run, attending to the cached KV at
 every layer.
@@ -40,11 +51,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol, Sequence
+from typing import Any, Hashable, NamedTuple, Protocol, Sequence
 
 import torch
 
 from sglang_tokendance.core.attention import Grid, attend, plan_grids
+from sglang_tokendance.core.collective import GroupRun, share_runs
 from sglang_tokendance.core.rope_attention import RopeOnRead
 from sglang_tokendance.core.selection import CheckState, ReusedSegment, SelectionRule, select_kept
 
@@ -92,32 +104,47 @@ class BlendOptions:
     sparse_writeback: bool = True
     screen_layer: int = 0  # a screen runs when 1 <= screen_layer < check_layer (see `probe`)
     screen_factor: float = 2.0  # min(1, factor x recompute_ratio) of the reused tokens pass it
+    group_selection: str = "per-request"  # or "aligned": one kept set per segment a round group shares
+    group_probe: int = 0  # > 0 (aligned only): members per shared segment that probe it; the others adopt
+
+    def __post_init__(self) -> None:
+        if self.group_selection not in GROUP_SELECTIONS:
+            raise ValueError(f"group selection must be one of {GROUP_SELECTIONS}, got {self.group_selection!r}")
+        if self.group_probe < 0 or (self.group_probe and self.group_selection != "aligned"):
+            raise ValueError(f"a shared probe ({self.group_probe} members) needs aligned group selection")
 
     @property
     def screened(self) -> bool:
         return 1 <= self.screen_layer < self.check_layer
 
 
+GROUP_SELECTIONS = ("per-request", "aligned")
+
+
 class ReusedRun(NamedTuple):
     """Reused tokens [start, end), relative to the request's first extend token, restored from
     one cached segment whose token `segment_offset` is the run's first (non-zero when the
-    segment began in an earlier prefill chunk or inside the radix prefix)."""
+    segment began in an earlier prefill chunk or inside the radix prefix); `segment` names
+    that segment (equal for equal cached KV; None: never shared with other requests)."""
 
     start: int
     end: int
     segment_offset: int = 0
+    segment: Hashable | None = None
 
 
 @dataclass
 class RequestRow:
     """One request of the batch: its `num_tokens` extend tokens follow `prefix_len` tokens
     already in its KV row `slots` ([prefix_len + num_tokens]); `reused` lists its runs of
-    reused tokens (ReusedRun, or a plain (start, end) pair for a run from a segment's start)."""
+    reused tokens (ReusedRun, or a plain (start, end) pair for a run from a segment's start);
+    `group` its round group (None: none), for group-aligned selection."""
 
     prefix_len: int
     num_tokens: int
     slots: torch.Tensor
     reused: Sequence[ReusedRun | tuple[int, int]] = ()
+    group: Hashable | None = None
 
 
 @dataclass
@@ -128,6 +155,8 @@ class BlendStats:
     full_token_layers: int = 0
     reused_tokens: int = 0
     kept_tokens: int = 0
+    adopted_tokens: int = 0  # reused tokens that skipped the probe (shared probe)
+    adopted: torch.Tensor | None = field(default=None, repr=False)  # mask over the reused tokens
     kept: torch.Tensor | None = field(default=None, repr=False)  # mask over the reused tokens
 
 
@@ -137,7 +166,7 @@ def blended_prefill(model: LayerwiseModel, kv: KVStore, ids: torch.Tensor, posit
     """Final normed hidden states [tokens, hidden] (zeros at rows not computed: reused tokens
     not kept) for the flattened extend tokens of `requests`; `rope_on_read` when `kv` keeps K
     un-rotated."""
-    batch = _Batch(requests, positions, ids, rope_on_read)
+    batch = _Batch(requests, positions, ids, rope_on_read, options)
     if not batch.stats.reused_tokens or options.recompute_ratio <= 0:
         computed = ~batch.reused
         return _run_layers(model, kv, batch, model.embed(ids[computed]), computed, 0, batch.stats)
@@ -161,8 +190,9 @@ def _keeps_everything(options: BlendOptions) -> bool:
 class Probe:
     """The state after the probe layers (shareable by several selections): hidden states of
     the batch tokens `rows`, and the CheckState of the reused tokens still tracked (`tracked`:
-    a mask over all reused tokens; all of them unless a screen dropped some). The tracked
-    tokens' recomputed KV is in the CheckState only: the KV store still holds their cached KV."""
+    a mask over all reused tokens; all of them unless a screen dropped some or a shared probe
+    left some out: `batch.adopted`). The tracked tokens' recomputed KV is in the CheckState
+    only: the KV store still holds their cached KV."""
 
     batch: "_Batch"
     check_layer: int
@@ -186,20 +216,30 @@ def probe(model: LayerwiseModel, kv: KVStore, ids: torch.Tensor, positions: torc
     With a screen (1 <= options.screen_layer = s < c), `rule` first scores the reused tokens
     at layer s and only the best min(1, screen_factor x recompute_ratio) of each request's go
     on through layers s+1..c with the fresh tokens: a deep check at little more than a
-    shallow one's cost."""
+    shallow one's cost.
+
+    With a shared probe (options.group_probe), the reused tokens `batch.adopted` -- shared
+    segments' tokens of the members beyond the first group_probe that read them -- skip the
+    probe: the probe's tokens read their cached KV, and `finish` computes the ones kept."""
     c, s = options.check_layer, options.screen_layer if options.screened else 0
     if not 1 <= c < model.num_layers:
         raise ValueError(f"check layer must be in [1, {model.num_layers - 1}], got {c}")
-    batch = _Batch(requests, positions, ids, rope_on_read)
-    checked = Probe(batch, c, torch.arange(ids.shape[0], device=ids.device), model.embed(ids), CheckState(),
-                    torch.ones(batch.stats.reused_tokens, dtype=torch.bool, device=ids.device))
+    batch = _Batch(requests, positions, ids, rope_on_read, options)
+    if batch.adopted.any():
+        probed = ~batch.reused
+        probed[batch.reused] = ~batch.adopted
+        rows = probed.nonzero().squeeze(1)
+        checked = Probe(batch, c, rows, model.embed(ids[rows]), CheckState(), ~batch.adopted)
+    else:
+        checked = Probe(batch, c, torch.arange(ids.shape[0], device=ids.device), model.embed(ids), CheckState(),
+                        torch.ones(batch.stats.reused_tokens, dtype=torch.bool, device=ids.device))
     if s:
         _probe_layers(model, kv, checked, range(s + 1), rule.needs_attention)
         share = min(1.0, options.screen_factor * options.recompute_ratio)
-        passed = select_kept(rule.score(checked.state), batch.reused_segments(), share,
+        passed = select_kept(_scores(checked, rule), batch.reused_segments(), share,
                              granularity=options.granularity, block_size=options.block_size,
                              head_tokens=options.block_head_tokens)
-        _drop_tracked(kv, checked, ~passed, options.sparse_writeback)
+        _drop_tracked(kv, checked, ~passed[checked.tracked], options.sparse_writeback)
     _probe_layers(model, kv, checked, range(s + 1 if s else 0, c + 1), rule.needs_attention)
     return checked
 
@@ -248,27 +288,54 @@ def _drop_tracked(kv, checked: Probe, drop: torch.Tensor, sparse_writeback: bool
 
 
 def select(checked: Probe, rule: SelectionRule, options: BlendOptions) -> torch.Tensor:
-    """The kept mask over the reused tokens under `options` (only tracked tokens can be kept)."""
-    scores = torch.full(checked.tracked.shape, float("-inf"), device=checked.tracked.device)
-    scores[checked.tracked] = rule.score(checked.state).float()
-    return select_kept(scores, checked.batch.reused_segments(), options.recompute_ratio,
+    """The kept mask over the reused tokens under `options` (only tracked tokens, and adopted
+    ones that take their group's choice, can be kept)."""
+    return select_kept(_scores(checked, rule), checked.batch.reused_segments(), options.recompute_ratio,
                        granularity=options.granularity, block_size=options.block_size,
-                       head_tokens=options.block_head_tokens) & checked.tracked
+                       head_tokens=options.block_head_tokens) & (checked.tracked | checked.batch.adopted)
+
+
+def _scores(checked: Probe, rule: SelectionRule) -> torch.Tensor:
+    """The rule's scores over all reused tokens: -inf where dropped by a screen, NaN (no
+    score: the group's choice) where adopted."""
+    scores = torch.full(checked.tracked.shape, float("-inf"), device=checked.tracked.device)
+    scores[checked.batch.adopted] = float("nan")
+    scores[checked.tracked] = rule.score(checked.state).float()
+    return scores
 
 
 def finish(model: LayerwiseModel, kv: KVStore, checked: Probe, kept: torch.Tensor,
            options: BlendOptions) -> tuple[torch.Tensor, BlendStats]:
-    """The kept tokens' probe KV written (under dense write-back every tracked token's), then
-    layers c+1..L-1 on the fresh and kept tokens. Leaves `checked` as it was."""
+    """The kept tokens' probe KV written (under dense write-back every tracked token's), the
+    kept adopted tokens (shared probe) caught up through layers 0..c over the KV as written,
+    then layers c+1..L-1 on the fresh and kept tokens. Leaves `checked` as it was."""
     batch, c = checked.batch, checked.check_layer
     written = kept if options.sparse_writeback else checked.tracked
     _write_probe_kv(kv, checked, written[checked.tracked], range(c + 1))
     computed = ~batch.reused
     computed[batch.reused] = kept
+    rows, hidden = checked.rows, checked.hidden
+    caught = batch.reused.nonzero().squeeze(1)[kept & batch.adopted]
+    token_layers = batch.stats.token_layers
+    if caught.numel():
+        rows, hidden = torch.cat([rows, caught]), torch.cat([hidden, _catch_up(model, kv, batch, caught, c)])
+        token_layers += caught.numel() * (c + 1)
     where = torch.full((computed.numel(),), -1, dtype=torch.int64, device=computed.device)
-    where[checked.rows] = torch.arange(checked.rows.numel(), device=computed.device)
-    stats = dataclasses.replace(batch.stats, kept=kept, kept_tokens=int(kept.sum()))
-    return _run_layers(model, kv, batch, checked.hidden[where[computed]], computed, c + 1, stats)
+    where[rows] = torch.arange(rows.numel(), device=computed.device)
+    stats = dataclasses.replace(batch.stats, kept=kept, kept_tokens=int(kept.sum()), token_layers=token_layers,
+                                adopted=batch.adopted, adopted_tokens=int(batch.adopted.sum()))
+    return _run_layers(model, kv, batch, hidden[where[computed]], computed, c + 1, stats)
+
+
+def _catch_up(model, kv, batch: "_Batch", rows: torch.Tensor, check_layer: int) -> torch.Tensor:
+    """Layers 0..c on the batch tokens `rows` (kept tokens that skipped the probe, one stage,
+    KV written): their hidden states for the layers after the check. They read the KV the
+    probe and its write-back left: the kept tokens' recomputed KV, the others' cached KV."""
+    stage = _Stage(model, batch, rows)
+    hidden = model.embed(batch.ids[rows])
+    for layer in range(check_layer + 1):
+        hidden, _, _ = _layer(model, kv, stage, layer, hidden)
+    return hidden
 
 
 def _run_layers(model, kv, batch: "_Batch", hidden, computed: torch.Tensor, first_layer: int,
@@ -332,10 +399,11 @@ class _Batch:
     """Index bookkeeping of a flattened extend batch, built once, and the form of its store's K."""
 
     def __init__(self, requests: Sequence[RequestRow], positions: torch.Tensor, ids: torch.Tensor,
-                 rope_on_read: RopeOnRead | None):
+                 rope_on_read: RopeOnRead | None, options: BlendOptions):
         self.requests = list(requests)
         self.rope_on_read = rope_on_read
         self.positions = positions
+        self.ids = ids
         counts = [r.num_tokens for r in self.requests]
         self.starts = [sum(counts[:i]) for i in range(len(counts))]
         if sum(counts) != ids.shape[0]:
@@ -347,11 +415,25 @@ class _Batch:
         self.locs = torch.cat([row[r.prefix_len:] for row, r in zip(self.kv_rows, self.requests)])
         self.reused = torch.zeros(ids.shape[0], dtype=torch.bool, device=device)
         self.runs = [[ReusedRun(*run) for run in r.reused] for r in self.requests]
-        for first, runs in zip(self.starts, self.runs):
-            for run in runs:
+        self.shared, adopted_runs = self._share(options)
+        adopted = torch.zeros_like(self.reused)
+        for first, runs, adopts in zip(self.starts, self.runs, adopted_runs):
+            for run, adopt in zip(runs, adopts):
                 self.reused[first + run.start:first + run.end] = True
+                adopted[first + run.start:first + run.end] = adopt
+        self.adopted = adopted[self.reused]  # a mask over the reused tokens: they skip the probe
         self.stats = BlendStats(reused_tokens=int(self.reused.sum()))
 
+    def _share(self, options: BlendOptions):
+        """Per run: its shared-segment tag for group-aligned selection, and whether it adopts
+        the group's choice without probing (core/collective.share_runs)."""
+        if options.group_selection != "aligned":
+            return [[None] * len(runs) for runs in self.runs], [[False] * len(runs) for runs in self.runs]
+        return share_runs([r.group for r in self.requests],
+                          [[GroupRun(run.segment, run.segment_offset, run.end - run.start) for run in runs]
+                           for runs in self.runs], options.group_probe)
+
     def reused_segments(self) -> list[list[ReusedSegment]]:
-        return [[ReusedSegment(start + run.start, start + run.end, run.segment_offset) for run in runs]
-                for start, runs in zip(self.starts, self.runs)]
+        return [[ReusedSegment(start + run.start, start + run.end, run.segment_offset, tag)
+                 for run, tag in zip(runs, tags)]
+                for start, runs, tags in zip(self.starts, self.runs, self.shared)]

@@ -13,6 +13,10 @@ without SGLang; srt/policy.py feeds it SGLang's Req objects and the scheduler's 
 queue. A group lives from its first arrival until its last member is admitted or leaves, and
 carries its members (`RoundGroup.members`), so the blended prefill can find a request's
 group; what outlives it is a `RoundRecord` of counts only.
+
+`share_runs` is the collective blended prefill's view of a group that shares an extend batch:
+which reused runs of its members read the same segment (they get one kept set, core/selection)
+and which skip the probe and adopt that set (core/blend).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Generic, Hashable, Iterable, TypeVar
+from typing import Generic, Hashable, Iterable, Sequence, TypeVar
 
 MAX_ROUND_SIZE = 4096  # a larger `round_size` is refused (a 400)
 MAX_ROUND_ID_CHARS = 256
@@ -233,3 +237,56 @@ class RoundGrouper(Generic[T]):
             "open_rounds": len(self.open),
             "recent_rounds": [vars(r) | {"admitted": list(r.admitted)} for r in self.recent],
         }
+
+
+# --- the collective blended prefill -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GroupRun:
+    """A reused run of a request as the collective prefill sees it: which cached segment
+    (None: unknown, never shared), the run's first token's offset in it, and its length."""
+
+    segment: Hashable | None
+    offset: int
+    length: int
+
+
+def share_runs(groups: Sequence[Hashable | None], runs: Sequence[Sequence[GroupRun]], probers: int = 0
+               ) -> tuple[list[list[tuple[Hashable, Hashable] | None]], list[list[bool]]]:
+    """Which runs of a batch's requests (`groups`: each one's round group or None; `runs`: each
+    one's reused runs) share one kept set, and which of those skip the probe.
+
+    A segment is shared when at least two members of a group read it (its k-th occurrence in
+    each member being one shared segment): each such run gets the tag (group, (segment, k)),
+    every other run None. With `probers` > 0 only the first `probers` members (batch order)
+    reading a shared segment probe it; a later member's run adopts the group's choice when
+    one prober's run covers its offsets (otherwise it probes too: under chunked prefill the
+    members may hold different pieces of a segment)."""
+    readers: dict[tuple[Hashable, Hashable], list[tuple[int, int]]] = {}  # tag -> (request, run index)
+    keys: list[list[tuple[Hashable, Hashable] | None]] = []
+    for request, (group, request_runs) in enumerate(zip(groups, runs)):
+        seen: dict[Hashable, int] = {}
+        keys.append([])
+        for index, run in enumerate(request_runs):
+            if group is None or run.segment is None:
+                keys[-1].append(None)
+                continue
+            occurrence = seen[run.segment] = seen.get(run.segment, -1) + 1
+            tag = (group, (run.segment, occurrence))
+            keys[-1].append(tag)
+            readers.setdefault(tag, []).append((request, index))
+    adopted = [[False] * len(request_runs) for request_runs in runs]
+    for tag, where in readers.items():
+        if len({request for request, _ in where}) < 2:
+            for request, index in where:
+                keys[request][index] = None
+            continue
+        if probers <= 0:
+            continue
+        probing = [runs[request][index] for request, index in where[:probers]]
+        for request, index in where[probers:]:
+            run = runs[request][index]
+            adopted[request][index] = any(p.offset <= run.offset and run.offset + run.length <= p.offset + p.length
+                                          for p in probing)
+    return keys, adopted

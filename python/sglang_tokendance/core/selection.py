@@ -23,7 +23,7 @@ Rules (`--tokendance-selection`):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Hashable, Sequence
 
 import torch
 
@@ -103,44 +103,65 @@ class ReusedSegment:
     """A run of reused tokens restored from one cached segment: [start, end) in the flattened
     batch, whose first token is token `offset` of its segment (blocks and head tokens are
     counted from the segment's start, so a segment split over prefill chunks is cut the same
-    way in every chunk)."""
+    way in every chunk). `shared` = (pool, segment): the run is selected in that pool with every
+    other run of the same segment, one kept set for all of them (group-aligned selection,
+    core/collective.share_runs); None: in its request's own pool."""
 
     start: int
     end: int
     offset: int = 0
+    shared: tuple[Hashable, Hashable] | None = None
 
 
 def select_kept(scores: torch.Tensor, requests: Sequence[Sequence[ReusedSegment]], ratio: float, *,
                 granularity: str = "token", block_size: int = 16, head_tokens: int = 0) -> torch.Tensor:
     """Kept-token mask over the reused tokens (batch order, the order of the segments given).
 
-    Per request the budget is round(ratio x its reused tokens); head tokens come first, then
-    the best-scoring units (tokens, or whole blocks ranked by mean score) until it is covered."""
+    Tokens are selected in pools, each under a budget of round(ratio x its tokens): a request's
+    runs not `shared` form its own pool; shared runs form their pool, where the tokens at the
+    same unit of the same segment (in any request) are one unit, kept or not as one. Per pool,
+    head tokens come first, then the best units (tokens, or whole blocks) ranked by the mean
+    score of their tokens, until the budget is covered. A NaN score is no score (a token that
+    takes its unit's choice without having been scored); a unit with none ranks last."""
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
     kept = torch.zeros(scores.shape[0], dtype=torch.bool, device=scores.device)
-    offset = 0
-    for segments in requests:
-        units, heads = [], []  # per reused token: its unit id, whether it is a head token
+    pools: dict[Hashable, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}  # pool -> (row, unit id, head)
+    segment_index: dict[Hashable, int] = {}  # shared segment -> its index (its units' ids: index, unit)
+    next_unit = row = 0
+    for index, segments in enumerate(requests):
         for seg in segments:
             if seg.end <= seg.start:
                 continue
             within = torch.arange(seg.offset, seg.offset + seg.end - seg.start, device=scores.device)
             per_unit = within // block_size if granularity == "block" else within
-            units.append(per_unit - per_unit[0] + (units[-1].max() + 1 if units else 0))
-            heads.append(within < head_tokens)
-        if not units:
-            continue
-        unit, head = torch.cat(units), torch.cat(heads)
-        rows = slice(offset, offset + unit.numel())
-        offset += unit.numel()
-        budget = round(ratio * unit.numel())
-        count = torch.zeros(int(unit.max()) + 1, device=scores.device)
-        total = count.clone().index_add_(0, unit, scores[rows].float())
-        count.index_add_(0, unit, torch.ones_like(total[unit]))
-        size = count.clone().index_add_(0, unit, -head.float())  # tokens a unit adds beyond heads
-        order = torch.argsort(total / count, descending=True, stable=True)
-        before = torch.cumsum(size[order], 0) - size[order]  # tokens taken before each unit
-        chosen = order[int(head.sum()) + before < budget]
-        kept[rows] = head | torch.isin(unit, chosen)
+            if seg.shared is None:
+                unit, pool = per_unit - per_unit[0] + next_unit, ("request", index)
+                next_unit += int(per_unit[-1] - per_unit[0]) + 1
+            else:  # the same id for the same unit of the segment, in every run of it
+                index_of = segment_index.setdefault(seg.shared, len(segment_index))
+                unit, pool = per_unit + (index_of << 32), ("shared", seg.shared[0])
+            pools.setdefault(pool, []).append((row, unit, within < head_tokens))
+            row += unit.numel()
+    for parts in pools.values():
+        rows = torch.cat([torch.arange(r, r + u.numel(), device=scores.device) for r, u, _ in parts])
+        ids, unit = torch.unique(torch.cat([u for _, u, _ in parts]), return_inverse=True)
+        head = torch.cat([h for _, _, h in parts])
+        kept[rows] = _top_units(scores[rows].float(), unit, head, ids.numel(), round(ratio * rows.numel()))
     return kept
+
+
+def _top_units(scores: torch.Tensor, unit: torch.Tensor, head: torch.Tensor, units: int,
+               budget: int) -> torch.Tensor:
+    """The kept mask of one pool's tokens: heads, then whole units by mean score (NaN: not
+    scored) until `budget` tokens are taken; ties keep the units' order."""
+    scored = ~scores.isnan()
+    zeros = scores.new_zeros(units)
+    total = zeros.clone().index_add_(0, unit, torch.where(scored, scores, zeros[unit]))
+    count = zeros.clone().index_add_(0, unit, scored.float())
+    size = zeros.clone().index_add_(0, unit, (~head).float())  # tokens a unit adds beyond heads
+    mean = torch.where(count > 0, total / count.clamp_min(1), torch.full_like(total, float("-inf")))
+    order = torch.argsort(mean, descending=True, stable=True)
+    before = torch.cumsum(size[order], 0) - size[order]  # tokens taken before each unit
+    chosen = order[int(head.sum()) + before < budget]
+    return head | torch.isin(unit, chosen)

@@ -29,6 +29,7 @@ import heapq
 import itertools
 import logging
 import time
+from typing import Hashable
 
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult
@@ -42,6 +43,7 @@ from sglang_tokendance.core.segments import segment_hash
 from sglang_tokendance.core.selection import SelectionRule, rule_named
 from sglang_tokendance.served_model import model_salt_from_env
 from sglang_tokendance.server_args import TokenDanceArgs
+from sglang_tokendance.srt import policy
 from sglang_tokendance.srt.kv_copy import PoolKeys, bytes_per_token, copy_kv
 from sglang_tokendance.srt.metrics import NO_METRICS, ForestMetrics, PrometheusForestMetrics
 from sglang_tokendance.srt.model import SUPPORTED_ARCHITECTURES
@@ -159,7 +161,7 @@ class SegmentForest(RadixCache):
             state = self._state_of(req)
             if state is None:
                 continue
-            plan = state.plan_chunk(self.segments, req.prefix_len, req.extend_end)
+            plan = state.plan_chunk(self.segments, req.prefix_len, req.extend_end, group_key(req))
             self.metrics.count_restore(plan.hits, plan.misses)
             if not plan.runs:
                 continue
@@ -200,9 +202,10 @@ class SegmentForest(RadixCache):
         self.planned.clear()
         return plans if any(plans) else None
 
-    def record_recomputed(self, plan: ChunkPlan, recomputed: int) -> None:
-        """After the forward: `recomputed` of the plan's restored tokens were computed again."""
-        plan.request.record_recomputed(plan, recomputed)
+    def record_recomputed(self, plan: ChunkPlan, recomputed: int, adopted: int = 0) -> None:
+        """After the forward: `recomputed` of the plan's restored tokens were computed again,
+        `adopted` of them skipped the probe."""
+        plan.request.record_recomputed(plan, recomputed, adopted)
         self.metrics.count_reuse(plan.reused_tokens - recomputed, recomputed)
 
     # --- one eviction order over tree leaves and segments -----------------------------------
@@ -280,6 +283,12 @@ def build_forest(ctx: TreeCacheBuildContext) -> SegmentForest:
     global ACTIVE
     ACTIVE = forest
     return forest
+
+
+def group_key(req) -> Hashable | None:
+    """The key of the round group SGLang is admitting `req` with (srt/policy), or None: the
+    blended prefill selects a group's shared segments together."""
+    return None if policy.ACTIVE is None or (group := policy.ACTIVE.round_of(req)) is None else group.key
 
 
 def restore_after_allocation(result, batch, *unused, **unused_kw):

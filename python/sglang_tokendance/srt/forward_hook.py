@@ -33,7 +33,8 @@ def model_forward(original, model, input_ids, positions, forward_batch, *args, *
 
     req_to_token = active.req_to_token_pool.req_to_token
     rows = [RequestRow(prefix, extend, req_to_token[pool_index, :prefix + extend],
-                       reused=plan.extend_runs() if plan is not None else ())
+                       reused=plan.extend_runs() if plan is not None else (),
+                       group=plan.group if plan is not None else None)
             for plan, prefix, extend, pool_index in zip(plans, forward_batch.extend_prefix_lens_cpu,
                                                         forward_batch.extend_seq_lens_cpu,
                                                         forward_batch.req_pool_indices_cpu.tolist())]
@@ -42,11 +43,14 @@ def model_forward(original, model, input_ids, positions, forward_batch, *args, *
                                     active.blend, active.rule, active.keys.rope_on_read)
     reusing = [plan for plan in plans if plan is not None]
     if stats.kept is None:  # ratio 0: nothing recomputed
-        kept = [0] * len(reusing)
-    else:  # stats.kept covers the batch's reused tokens in batch order; one host sync for the batch
-        kept = torch.stack([part.sum() for part in stats.kept.split([p.reused_tokens for p in reusing])]).tolist()
-    for plan, recomputed in zip(reusing, kept):
-        active.record_recomputed(plan, recomputed)
+        counts = [(0, 0)] * len(reusing)
+    else:  # masks over the batch's reused tokens in batch order; one host sync for the batch
+        sizes = [p.reused_tokens for p in reusing]
+        adopted = stats.adopted if stats.adopted is not None else torch.zeros_like(stats.kept)
+        counts = torch.stack([torch.stack([kept.sum(), took.sum()])
+                              for kept, took in zip(stats.kept.split(sizes), adopted.split(sizes))]).tolist()
+    for plan, (recomputed, adopted_tokens) in zip(reusing, counts):
+        active.record_recomputed(plan, recomputed, adopted_tokens)
     return hidden
 
 

@@ -35,6 +35,7 @@ class ReuseCounts:
     computed_tokens: int = 0  # every prompt token the forwards computed
     segment_hits: int = 0
     segment_misses: int = 0
+    adopted_tokens: int = 0  # restored tokens that skipped the probe, taking their round group's choice
 
 
 @dataclass
@@ -50,7 +51,8 @@ class PlannedRun:
 
 @dataclass
 class ChunkPlan:
-    """One request's reuse in one extend forward."""
+    """One request's reuse in one extend forward; `group` the key of its round group
+    (srt/policy) while the forward runs it with other members (None: no round)."""
 
     request: "RequestReuse"
     prefix_len: int
@@ -58,6 +60,7 @@ class ChunkPlan:
     runs: list[PlannedRun]
     hits: int = 0
     misses: int = 0
+    group: Hashable | None = None
 
     @property
     def reused_tokens(self) -> int:
@@ -65,7 +68,8 @@ class ChunkPlan:
 
     def extend_runs(self) -> list[ReusedRun]:
         """The runs relative to the chunk's first token, as core/blend takes them."""
-        return [ReusedRun(r.start - self.prefix_len, r.end - self.prefix_len, r.segment_offset) for r in self.runs]
+        return [ReusedRun(r.start - self.prefix_len, r.end - self.prefix_len, r.segment_offset, r.entry.key)
+                for r in self.runs]
 
 
 @dataclass
@@ -93,10 +97,11 @@ class RequestReuse:
     def key(self, segment_hash: str) -> Hashable:
         return (self.namespace, segment_hash)
 
-    def plan_chunk(self, table: SegmentTable, prefix_len: int, extend_end: int) -> ChunkPlan:
+    def plan_chunk(self, table: SegmentTable, prefix_len: int, extend_end: int,
+                   group: Hashable | None = None) -> ChunkPlan:
         """Look the chunk [prefix_len, extend_end) up: every span piece in it whose segment is
         cached (the last prompt token is always computed). Counts the chunk's tokens."""
-        plan = ChunkPlan(self, prefix_len, extend_end - prefix_len, [])
+        plan = ChunkPlan(self, prefix_len, extend_end - prefix_len, [], group=group)
         if self.can_reuse:
             last_fresh = len(self.req.origin_input_ids) - 1
             for index, span in enumerate(self.spans):
@@ -123,11 +128,13 @@ class RequestReuse:
         self.publish()
         return plan
 
-    def record_recomputed(self, plan: ChunkPlan, recomputed: int) -> None:
-        """After the forward: `recomputed` of the plan's restored tokens were computed again."""
+    def record_recomputed(self, plan: ChunkPlan, recomputed: int, adopted: int = 0) -> None:
+        """After the forward: `recomputed` of the plan's restored tokens were computed again;
+        `adopted` of them skipped the probe (shared probe)."""
         self.counts.reused_tokens -= recomputed
         self.counts.recomputed_tokens += recomputed
         self.counts.computed_tokens += recomputed
+        self.counts.adopted_tokens += adopted
         self.publish()
 
     def publish(self) -> None:
