@@ -38,6 +38,7 @@ every K deviation alike).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, Sequence
@@ -112,12 +113,19 @@ class ReusedRun(NamedTuple):
 class RequestRow:
     """One request of the batch: its `num_tokens` extend tokens follow `prefix_len` tokens
     already in its KV row `slots` ([prefix_len + num_tokens]); `reused` lists its runs of
-    reused tokens (ReusedRun, or a plain (start, end) pair for a run from a segment's start)."""
+    reused tokens (ReusedRun, or a plain (start, end) pair for a run from a segment's start).
+
+    `own` (zero copy, Master-Mirror storage): the row's reused positions hold the cached
+    segments' slots themselves (Masters, shared with other readers, never written here), and
+    `own` the request's own slots for those positions, one per reused token in run order.
+    A reused token the selection keeps is computed into its own slot, and reads from there;
+    the others read the Master. None: the row's slots are the request's own everywhere."""
 
     prefix_len: int
     num_tokens: int
     slots: torch.Tensor
     reused: Sequence[ReusedRun | tuple[int, int]] = ()
+    own: torch.Tensor | None = None
 
 
 @dataclass
@@ -146,7 +154,7 @@ def blended_prefill(model: LayerwiseModel, kv: KVStore, ids: torch.Tensor, posit
     if _keeps_everything(options):  # no rule can change the outcome: a full prefill
         kept = torch.ones(batch.stats.reused_tokens, dtype=torch.bool, device=ids.device)
         stats = dataclasses.replace(batch.stats, kept=kept, kept_tokens=batch.stats.reused_tokens)
-        return _run_layers(model, kv, batch, model.embed(ids), torch.ones_like(batch.reused), 0, stats)
+        return _run_layers(model, kv, batch.adopting(kept), model.embed(ids), torch.ones_like(batch.reused), 0, stats)
     checked = probe(model, kv, ids, positions, requests, rule, options, rope_on_read)
     return finish(model, kv, checked, select(checked, rule, options), options)
 
@@ -191,6 +199,9 @@ def probe(model: LayerwiseModel, kv: KVStore, ids: torch.Tensor, positions: torc
     if not 1 <= c < model.num_layers:
         raise ValueError(f"check layer must be in [1, {model.num_layers - 1}], got {c}")
     batch = _Batch(requests, positions, ids, rope_on_read)
+    if batch.own_locs is not None and not options.sparse_writeback:
+        raise ValueError("dense write-back would write the probe's KV into shared Master slots: "
+                         "zero-copy reuse needs sparse write-back")
     checked = Probe(batch, c, torch.arange(ids.shape[0], device=ids.device), model.embed(ids), CheckState(),
                     torch.ones(batch.stats.reused_tokens, dtype=torch.bool, device=ids.device))
     if s:
@@ -222,10 +233,10 @@ def _probe_layers(model, kv, checked: Probe, layers: range, with_attention: bool
     batch.stats.token_layers += checked.rows.numel() * len(layers)
 
 
-def _write_probe_kv(kv, checked: Probe, which: torch.Tensor, layers: range) -> None:
+def _write_probe_kv(kv, checked: Probe, which: torch.Tensor, layers: range, batch: "_Batch") -> None:
     """The tracked reused tokens `which` (a mask over the tracked ones) get their recomputed
-    KV of `layers` into the store."""
-    locs = checked.batch.locs[checked.tracked_rows()[which]]
+    KV of `layers` into the store, at their slots in `batch`."""
+    locs = batch.locs[checked.tracked_rows()[which]]
     for layer in layers:
         kv.write(layer, locs, checked.state.computed_k[layer][which], checked.state.computed_v[layer][which])
 
@@ -235,7 +246,7 @@ def _drop_tracked(kv, checked: Probe, drop: torch.Tensor, sparse_writeback: bool
     their cached KV, or under dense write-back the probe's."""
     state = checked.state
     if not sparse_writeback:
-        _write_probe_kv(kv, checked, drop, range(len(state.cached_k)))
+        _write_probe_kv(kv, checked, drop, range(len(state.cached_k)), checked.batch)
     dropped_rows = checked.tracked_rows()[drop]
     keep = ~drop
     for arrays in (state.cached_k, state.cached_v, state.computed_k, state.computed_v):
@@ -259,10 +270,11 @@ def select(checked: Probe, rule: SelectionRule, options: BlendOptions) -> torch.
 def finish(model: LayerwiseModel, kv: KVStore, checked: Probe, kept: torch.Tensor,
            options: BlendOptions) -> tuple[torch.Tensor, BlendStats]:
     """The kept tokens' probe KV written (under dense write-back every tracked token's), then
-    layers c+1..L-1 on the fresh and kept tokens. Leaves `checked` as it was."""
-    batch, c = checked.batch, checked.check_layer
+    layers c+1..L-1 on the fresh and kept tokens (zero copy: the kept ones in their own slots).
+    Leaves `checked` as it was."""
+    batch, c = checked.batch.adopting(kept), checked.check_layer
     written = kept if options.sparse_writeback else checked.tracked
-    _write_probe_kv(kv, checked, written[checked.tracked], range(c + 1))
+    _write_probe_kv(kv, checked, written[checked.tracked], range(c + 1), batch)
     computed = ~batch.reused
     computed[batch.reused] = kept
     where = torch.full((computed.numel(),), -1, dtype=torch.int64, device=computed.device)
@@ -351,6 +363,32 @@ class _Batch:
             for run in runs:
                 self.reused[first + run.start:first + run.end] = True
         self.stats = BlendStats(reused_tokens=int(self.reused.sum()))
+        self.own_locs = self._own_locs()
+
+    def _own_locs(self) -> torch.Tensor | None:
+        """Each reused token's own slot (None: no request reads a Master in place); a request
+        without `own` owns the slots its row holds."""
+        if all(r.own is None for r in self.requests):
+            return None
+        reused_locs = self.locs[self.reused].split([sum(end - start for start, end, _ in runs) for runs in self.runs])
+        return torch.cat([mine if r.own is None else r.own.to(torch.int64)
+                          for r, mine in zip(self.requests, reused_locs)])
+
+    def adopting(self, kept: torch.Tensor) -> "_Batch":
+        """This batch with the kept reused tokens (a mask over the reused ones) in their own
+        slots, in `locs` and in the KV rows attention reads; itself when no token moves."""
+        if self.own_locs is None or not bool(kept.any()):
+            return self
+        moved = copy.copy(self)
+        rows = self.reused.nonzero().squeeze(1)[kept]
+        moved.locs = self.locs.clone()
+        moved.locs[rows] = self.own_locs[kept]
+        moved.kv_rows = list(self.kv_rows)
+        for b in self.request[rows].unique().tolist():
+            mine = rows[self.request[rows] == b]
+            moved.kv_rows[b] = moved.kv_rows[b].clone()
+            moved.kv_rows[b][self.positions[mine]] = moved.locs[mine]
+        return moved
 
     def reused_segments(self) -> list[list[ReusedSegment]]:
         return [[ReusedSegment(start + run.start, start + run.end, run.segment_offset) for run in runs]

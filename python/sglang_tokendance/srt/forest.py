@@ -4,21 +4,29 @@ Registered as the radix-cache backend "tokendance" (our launcher makes it the de
 Private prefixes behave exactly like SGLang's Python RadixCache: this class inherits it.
 Besides the tree it keeps a SegmentTable keyed by (cache namespace, content hash): when a
 request checkpoints (SGLang calls `checkpoint` after every prefill chunk and step), each of
-its shared segments whose exact KV is complete is copied, K un-rotated (core/rope), into
-slots of the same KV pool. Un-rotated K is one canonical form per hash, whatever context and
-offset the first copy came from: reuse at any position is a single `rotate` -- or none, under
-mirror storage, where the pool's K is un-rotated already (the copies ask the pool's K form,
-srt/kv_copy.PoolKeys). Segments never cross SGLang's cache namespace (extra_key,
-cache_salt), the same isolation as its tree.
-Segment slots count against the same KV budget and share one eviction order with the tree's
-leaves under `--radix-eviction-policy`; `/flush_cache` (reset) drops them with the tree.
+its shared segments whose exact KV is complete becomes a segment (a Master). Segments hold K
+un-rotated (core/rope): one canonical form per hash, whatever context and offset the first
+one came from, so reuse at any position is a single `rotate`, or none under mirror storage.
+Segments never cross SGLang's cache namespace (extra_key, cache_salt), the same isolation as
+its tree. They share one eviction order with the tree's leaves under `--radix-eviction-policy`;
+`/flush_cache` (reset) drops them with the tree.
 
-Reuse: after SGLang allocates a batch's slots (`restore_segments`, an AFTER hook on
-ScheduleBatch.prepare_for_extend), each request's chunk is planned (srt/reuse.py) and every
-planned run's cached KV is copied into the request's own slots, in one copy for the batch;
-the model forward (srt/forward_hook.py) then runs the blended prefill on the plans. A
-request's approximate KV never enters the tree, in any chunk: it publishes only the part
-before its first reused token, and caches only segments that end before it.
+Two storages (the pool's K form, srt/kv_copy.PoolKeys):
+* dense (SGLang's pool, K rotated): a segment is copied, K un-rotated, into new slots; reuse
+  copies it back into the reading request's own slots, rotated to its positions.
+* mirror (K un-rotated, srt/pool.RefCountedAllocator): zero copy. A segment takes a
+  reference on the request's own (or the tree's) slots; a reading row points its reused
+  positions at the Master's slots, taking a reference on each and pinning the Master (not
+  evictable while a live row reads it), and keeps the slots SGLang allocated there aside.
+  After the blended prefill (`settle`) a reused token it recomputed takes its own slot back
+  (the Mirror's diff); the others' own slots are freed. Each owner frees its own reference.
+
+Reuse happens after SGLang allocates a batch's slots (`restore_segments`, an AFTER hook on
+ScheduleBatch.prepare_for_extend): each request's chunk is planned (srt/reuse.py) and its
+reused positions restored as above; the model forward (srt/forward_hook.py) then runs the
+blended prefill on the plans. A request's approximate KV never enters the tree, in any chunk:
+it publishes only the part before its first reused token, and caches only segments that end
+before it.
 
 Output registration: srt/output_registration.py. Metrics: srt/metrics.py.
 """
@@ -46,6 +54,7 @@ from sglang_tokendance.srt.kv_copy import PoolKeys, bytes_per_token, copy_kv
 from sglang_tokendance.srt.metrics import NO_METRICS, ForestMetrics, PrometheusForestMetrics
 from sglang_tokendance.srt.model import SUPPORTED_ARCHITECTURES
 from sglang_tokendance.srt.output_registration import output_kv_tokens, output_segment_ids
+from sglang_tokendance.srt.pool import RefCountedAllocator
 from sglang_tokendance.srt.reuse import ChunkPlan, RequestReuse, is_lora, may_reuse
 
 logger = logging.getLogger(__name__)
@@ -68,6 +77,11 @@ class SegmentForest(RadixCache):
         super().__init__(params)
         if self.page_size != 1:
             raise ValueError(f"the tokendance radix cache needs --page-size 1, got {self.page_size}")
+        # Master-Mirror storage: K un-rotated in the pool, so rows read Masters' slots in place
+        self.zero_copy = keys is not None and not keys.rotated
+        if self.zero_copy and not isinstance(self.token_to_kv_pool_allocator, RefCountedAllocator):
+            raise ValueError("mirror storage needs the reference-counted KV allocator (srt/pool.py), "
+                             f"got {type(self.token_to_kv_pool_allocator).__name__}")
 
     def init_metrics_collector(self) -> None:
         """SGLang calls this under --enable-metrics: our series take the cache's labels."""
@@ -82,9 +96,11 @@ class SegmentForest(RadixCache):
 
     def reset(self) -> None:
         super().reset()
+        for plan in self.planned.values():
+            self._revert(plan)
         self.planned.clear()
         for slots in self.segments.clear():
-            self.token_to_kv_pool_allocator.free(slots)
+            self._drop_master(slots)
         self.metrics.update_held()
 
     def checkpoint(self, req, *, up_to: int) -> None:
@@ -92,19 +108,26 @@ class SegmentForest(RadixCache):
         if state is None:
             super().checkpoint(req, up_to=up_to)
             return
-        if req.finished() and state.register_output:
-            self.register_output(req, state)  # before anything can free the output's slots
         exact = min(up_to, state.first_reused)  # reused KV is approximate: keep it out
-        super().checkpoint(req, up_to=exact)
+        super().checkpoint(req, up_to=exact)  # the row now points at the tree's slots up to `exact`
         self.insert_segments(req, state, exact)
+        if req.finished() and state.register_output:
+            self.register_output(req, state)  # before SGLang releases the output's slots
         self.metrics.update_held()
 
     def on_release(self, req, *, checkpointed: bool) -> None:
         """SGLang released the request (finished, aborted or retracted): drop its state."""
         super().on_release(req, checkpointed=checkpointed)
         state = self.requests.pop(req, None)
-        if state is not None:
-            self.planned = {i: p for i, p in self.planned.items() if p.request is not state}
+        if state is None:
+            return
+        for plan in [p for p in self.planned.values() if p.request is state]:
+            del self.planned[plan.pool_index]
+            if plan.own is not None:  # SGLang freed the row (the Master references in it) but not these
+                self.token_to_kv_pool_allocator.free(plan.own)
+        for entry in state.reading:
+            self._unpin(entry)
+        state.reading.clear()
 
     def insert_segments(self, req, state: RequestReuse, up_to: int) -> None:
         """Cache the request's shared segments whose exact KV is complete (end <= up_to)."""
@@ -127,13 +150,21 @@ class SegmentForest(RadixCache):
                             output_kv_tokens(req, len(ids)))
 
     def _cache_segment(self, key, ids, row: torch.Tensor, start: int, length: int) -> None:
-        """Copy row positions [start, start + length) -- the KV of `ids` -- into new segment
-        slots under `key`. A duplicate is only counted. A full pool makes room the way a tree
-        insert would find it: by evicting what the eviction policy ranks first (never a live
-        request's KV: its prefix is locked and its own slots are not evictable); when even
-        that is not enough, the segment is not cached."""
+        """Row positions [start, start + length) -- the KV of `ids`, exact -- become the
+        segment (Master) under `key`. Mirror storage: the Master takes a reference on those
+        slots themselves (the tree or the request keeps its own). Dense storage: they are copied
+        into new slots; a full pool makes room the way a tree insert would find it: by evicting
+        what the eviction policy ranks first (never a live request's KV: its prefix is locked
+        and its own slots are not evictable); when even that is not enough, the segment is not
+        cached. A duplicate is only counted."""
         if key in self.segments:
             self.segments.count_duplicate(key)
+            return
+        if self.zero_copy:
+            if length > 0:
+                slots = row[start:start + length].to(torch.int64)
+                self.token_to_kv_pool_allocator.hold(slots)
+                self.segments.insert(key, slots, ids)
             return
         allocator = self.token_to_kv_pool_allocator
         if 0 < length and allocator.available_size() < length:
@@ -148,9 +179,14 @@ class SegmentForest(RadixCache):
     # --- reuse ------------------------------------------------------------------------------
 
     def restore_segments(self, batch) -> None:
-        """Plan every request's chunk and write its cached segments' KV into its own slots, in
-        the pool's K form: one copy for the whole batch. Plans of a forward that never ran are
-        dropped here."""
+        """Plan every request's chunk and give its reused positions their segments' KV.
+        Mirror storage (zero copy): the row points those positions at the Masters' slots,
+        taking a reference on each, and the slots SGLang allocated there wait in the plan for
+        the forward (`settle`). Dense storage: the KV is copied into the request's own slots,
+        rotated to its positions, one copy for the whole batch. Plans of a forward that never
+        ran are undone here."""
+        for plan in self.planned.values():
+            self._revert(plan)
         self.planned.clear()
         if not self.caches_segments:
             return
@@ -163,14 +199,88 @@ class SegmentForest(RadixCache):
             self.metrics.count_restore(plan.hits, plan.misses)
             if not plan.runs:
                 continue
-            self.planned[req.kv.req_pool_idx] = plan
-            row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
-            for run in plan.runs:
-                src.append(run.entry.slots[run.segment_offset:run.segment_offset + run.end - run.start])
-                dst.append(row[run.start:run.end].to(torch.int64))
-                positions.append(torch.arange(run.start, run.end, device=row.device))
+            plan.pool_index = req.kv.req_pool_idx
+            self.planned[plan.pool_index] = plan
+            row = self.req_to_token_pool.req_to_token[plan.pool_index]
+            masters = [run.entry.slots[run.segment_offset:run.segment_offset + run.end - run.start]
+                       for run in plan.runs]
+            if self.zero_copy:
+                self._point_at_masters(plan, row, torch.cat(masters))
+                continue
+            src += masters
+            dst += [row[run.start:run.end].to(torch.int64) for run in plan.runs]
+            positions.append(plan.positions(row.device))
         if src:
             copy_kv(self.pool, torch.cat(src), torch.cat(dst), torch.cat(positions), self.keys.pooled)
+
+    def _point_at_masters(self, plan: ChunkPlan, row: torch.Tensor, masters: torch.Tensor) -> None:
+        """The row's reused positions read the Masters' slots in place (one reference each,
+        every Master pinned); the slots SGLang allocated there are kept aside in the plan."""
+        where = plan.positions(row.device)
+        plan.own = row[where].to(torch.int64)
+        row[where] = masters.to(row.dtype)
+        self.token_to_kv_pool_allocator.share(masters)
+        for run in plan.runs:
+            self._pin(run.entry)
+            plan.request.reading.append(run.entry)
+        plan.request.shared_tokens += plan.reused_tokens
+
+    def settle(self, plan: ChunkPlan, kept: torch.Tensor | None) -> None:
+        """After the blended prefill (zero copy): the reused tokens it kept (`kept`, a mask
+        over the plan's reused tokens; None: none) were computed into their own slots, which
+        the row takes back; the others keep reading the Master, and their own slots are freed.
+        A Master none of whose tokens the row still reads is unpinned."""
+        own, plan.own = plan.own, None
+        if own is None:
+            return
+        allocator = self.token_to_kv_pool_allocator
+        if kept is None or not bool(kept.any()):
+            allocator.free(own)
+            return
+        row = self.req_to_token_pool.req_to_token[plan.pool_index]
+        where = plan.positions(row.device)[kept]
+        masters = row[where].to(torch.int64)
+        row[where] = own[kept].to(row.dtype)
+        allocator.free(masters)  # the row's references
+        allocator.free(own[~kept])
+        plan.request.shared_tokens -= int(kept.sum())
+        for run, part in zip(plan.runs, kept.split([run.end - run.start for run in plan.runs])):
+            if bool(part.all()):
+                self._stop_reading(plan.request, run.entry)
+
+    def _revert(self, plan: ChunkPlan) -> None:
+        """Undo `_point_at_masters` before a forward that computes every token itself (or none
+        ran): each reused position gets its own slot back and drops its Master reference."""
+        own, plan.own = plan.own, None
+        if own is None:
+            return
+        row = self.req_to_token_pool.req_to_token[plan.pool_index]
+        where = plan.positions(row.device)
+        masters = row[where].to(torch.int64)
+        row[where] = own.to(row.dtype)
+        self.token_to_kv_pool_allocator.free(masters)
+        plan.request.shared_tokens -= plan.reused_tokens
+        for run in plan.runs:
+            self._stop_reading(plan.request, run.entry)
+
+    def _pin(self, entry: SegmentEntry) -> None:
+        entry.readers += 1
+        self.token_to_kv_pool_allocator.refs.pin(entry.slots)
+
+    def _unpin(self, entry: SegmentEntry) -> None:
+        entry.readers -= 1
+        self.token_to_kv_pool_allocator.refs.unpin(entry.slots)
+
+    def _stop_reading(self, state: RequestReuse, entry: SegmentEntry) -> None:
+        state.reading.remove(entry)
+        self._unpin(entry)
+
+    def _drop_master(self, slots: torch.Tensor) -> None:
+        """A removed segment's slots: its references dropped (mirror), or freed (dense)."""
+        if self.zero_copy:
+            self.token_to_kv_pool_allocator.unhold(slots)
+        else:
+            self.token_to_kv_pool_allocator.free(slots)
 
     def _state_of(self, req) -> RequestReuse | None:
         state = self.requests.get(req)
@@ -194,15 +304,24 @@ class SegmentForest(RadixCache):
             if plan is not None and (plan.prefix_len, plan.extend_len) != (prefix, extend):
                 logger.warning("TokenDance plan for [%d, +%d) met a chunk [%d, +%d); computing it in full",
                                plan.prefix_len, plan.extend_len, prefix, extend)
-                plan.request.record_recomputed(plan, plan.reused_tokens)
+                self.compute_in_full(plan)
                 plan = None
             plans.append(plan)
+        for plan in self.planned.values():  # not in this forward (never expected)
+            self._revert(plan)
         self.planned.clear()
         return plans if any(plans) else None
 
+    def compute_in_full(self, plan: ChunkPlan) -> None:
+        """SGLang's forward computes the plan's reused tokens, each into its own slot."""
+        self._revert(plan)
+        self.record_recomputed(plan, plan.reused_tokens)
+
     def record_recomputed(self, plan: ChunkPlan, recomputed: int) -> None:
-        """After the forward: `recomputed` of the plan's restored tokens were computed again."""
-        plan.request.record_recomputed(plan, recomputed)
+        """After the forward: `recomputed` of the plan's restored tokens were computed again
+        (under zero copy, after `settle`: only those hold own slots)."""
+        own = recomputed if self.zero_copy else plan.reused_tokens
+        plan.request.record_recomputed(plan, recomputed, own)
         self.metrics.count_reuse(plan.reused_tokens - recomputed, recomputed)
 
     # --- one eviction order over tree leaves and segments -----------------------------------
@@ -217,17 +336,19 @@ class SegmentForest(RadixCache):
         order = itertools.count()  # ties never compare nodes
         priority = self.eviction_strategy.get_priority
         heap = [(priority(n), next(order), n) for n in self.evictable_leaves]
-        heap += [(priority(e), next(order), e) for e in self.segments.entries.values()]
+        heap += [(priority(e), next(order), e) for e in self.segments.entries.values() if not e.readers]
         heapq.heapify(heap)
-        evicted = 0
+        allocator = self.token_to_kv_pool_allocator
+        free_before = allocator.available_size()
+        evicted = 0  # slots freed (a slot another owner still holds stays in use)
         while evicted < params.num_tokens and heap:
             _, _, item = heapq.heappop(heap)
             if isinstance(item, SegmentEntry):
-                evicted += len(item)
-                self.token_to_kv_pool_allocator.free(self.segments.remove(item))
+                self._drop_master(self.segments.remove(item))
+                evicted = allocator.available_size() - free_before
                 continue
-            self.token_to_kv_pool_allocator.free_segment(item.value, start_pos=0)
-            evicted += len(item.value)
+            allocator.free_segment(item.value, start_pos=0)
+            evicted = allocator.available_size() - free_before
             self._delete_leaf(item)
             if len(item.parent.children) == 0 and item.parent.lock_ref == 0:
                 heapq.heappush(heap, (priority(item.parent), next(order), item.parent))
@@ -237,7 +358,16 @@ class SegmentForest(RadixCache):
         return EvictResult(num_tokens_evicted=evicted)
 
     def evictable_size(self) -> int:
-        return super().evictable_size() + self.segments.tokens
+        """Slots eviction can free, each once: the tree's unlocked ones, and the segments'
+        (mirror storage: those no other owner holds, of Masters no live row reads)."""
+        return super().evictable_size() + self._segment_only_tokens(evictable=True)
+
+    def _segment_only_tokens(self, evictable: bool = False) -> int:
+        """Slots held by segments alone (dense storage: all of theirs)."""
+        if not self.zero_copy:
+            return self.segments.tokens
+        refs = self.token_to_kv_pool_allocator.refs
+        return refs.evictable_master_slots() if evictable else refs.master_only_slots()
 
     @property
     def pool(self):
@@ -250,10 +380,16 @@ class SegmentForest(RadixCache):
         """/server_info's view, with the pool's accounting: at quiescence every used slot
         belongs to the tree or to a segment (no leak)."""
         allocator = self.token_to_kv_pool_allocator
+        live = self.requests.values()
+        masters = allocator.refs.master_slots() if self.zero_copy else self.segments.tokens
         return {**self.segments.stats(self.bytes_per_token()),
                 "tree_evictable_tokens": super().evictable_size(), "tree_protected_tokens": self.protected_size(),
                 "pool_tokens": allocator.size, "free_tokens": allocator.available_size(),
-                "live_requests": len(self.requests)}
+                "live_requests": len(live),
+                "master_tokens": masters, "segment_only_tokens": self._segment_only_tokens(),
+                "mirror_diff_tokens": sum(s.counts.mirror_diff_tokens for s in live),
+                "row_references": sum(s.shared_tokens for s in live),
+                "pinned_segments": sum(1 for e in self.segments.entries.values() if e.readers)}
 
 
 ACTIVE: SegmentForest | None = None  # the scheduler process's forest, for the model forward

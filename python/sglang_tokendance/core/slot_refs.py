@@ -1,0 +1,76 @@
+"""Reference counts of KV-pool slots that several owners hold at once (Master-Mirror storage).
+
+Under mirror storage a slot's K is un-rotated, so one slot can be read by several requests at
+different offsets. A slot then has several owners: the radix tree (one reference per tree
+node value), each cached segment (a Master) that holds it, and each live request row that
+points at it. Every owner takes one reference and drops its own; the slot is free when the
+last goes. On top of the plain count, `masters` counts the Master references of each slot and
+`pins` the live rows reading a Master that holds it (a pinned Master is not evictable), so the
+pool can say how many slots eviction could still free (`evictable_master_slots`), counting
+each slot once however many owners it has.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class DoubleFree(RuntimeError):
+    """A slot lost more references than it was given: some owner freed it twice."""
+
+
+class SlotRefs:
+    """Per-slot counters over slots 0..size (slot 0 is SGLang's padding slot, never handed out)."""
+
+    def __init__(self, size: int, device: torch.device | str = "cpu"):
+        self.refs = torch.zeros(size + 1, dtype=torch.int32, device=device)
+        self.masters = torch.zeros_like(self.refs)
+        self.pins = torch.zeros_like(self.refs)
+
+    def allocated(self, slots: torch.Tensor) -> None:
+        """Fresh slots from the free list: one owner each."""
+        self.refs[slots] = 1
+
+    def share(self, slots: torch.Tensor) -> None:
+        """One more owner for each of `slots` (repeats count once per occurrence)."""
+        self.refs.index_add_(0, slots, torch.ones_like(slots, dtype=torch.int32))
+
+    def release(self, slots: torch.Tensor) -> torch.Tensor:
+        """Drop one reference per occurrence; returns the slots whose last reference went
+        (each once), for the free list."""
+        self.refs.index_add_(0, slots, torch.full_like(slots, -1, dtype=torch.int32))
+        left = self.refs[slots]
+        if bool((left < 0).any()):
+            wrong = torch.unique(slots[left < 0])
+            self.refs[wrong] = 0
+            raise DoubleFree(f"KV slots freed more often than referenced: {wrong[:8].tolist()}")
+        return torch.unique(slots[left == 0])
+
+    def hold(self, slots: torch.Tensor) -> None:
+        """A Master takes a reference on `slots`."""
+        self.share(slots)
+        self.masters.index_add_(0, slots, torch.ones_like(slots, dtype=torch.int32))
+
+    def unhold(self, slots: torch.Tensor) -> torch.Tensor:
+        """A Master drops its references; returns the slots now free."""
+        self.masters.index_add_(0, slots, torch.full_like(slots, -1, dtype=torch.int32))
+        return self.release(slots)
+
+    def pin(self, slots: torch.Tensor) -> None:
+        """A live row reads the Master holding `slots`: none of them is evictable meanwhile."""
+        self.pins.index_add_(0, slots, torch.ones_like(slots, dtype=torch.int32))
+
+    def unpin(self, slots: torch.Tensor) -> None:
+        self.pins.index_add_(0, slots, torch.full_like(slots, -1, dtype=torch.int32))
+
+    def master_slots(self) -> int:
+        """Slots some Master holds (each once)."""
+        return int((self.masters > 0).sum())
+
+    def master_only_slots(self) -> int:
+        """Slots held by Masters and by nobody else (not the tree, not a row)."""
+        return int(((self.masters > 0) & (self.refs == self.masters)).sum())
+
+    def evictable_master_slots(self) -> int:
+        """Slots evicting every unpinned Master would free: held by Masters only, none pinned."""
+        return int(((self.masters > 0) & (self.refs == self.masters) & (self.pins == 0)).sum())
