@@ -51,7 +51,7 @@ from sglang_tokendance.core.selection import SelectionRule, rule_named
 from sglang_tokendance.served_model import model_salt_from_env
 from sglang_tokendance.server_args import TokenDanceArgs
 from sglang_tokendance.srt.kv_copy import PoolKeys, bytes_per_token, copy_kv
-from sglang_tokendance.srt.metrics import NO_METRICS, ForestMetrics, PrometheusForestMetrics
+from sglang_tokendance.srt.metrics import NO_METRICS, ForestMetrics, PrometheusForestMetrics, StorageCounts
 from sglang_tokendance.srt.model import SUPPORTED_ARCHITECTURES
 from sglang_tokendance.srt.output_registration import output_kv_tokens, output_segment_ids
 from sglang_tokendance.srt.pool import RefCountedAllocator
@@ -86,7 +86,8 @@ class SegmentForest(RadixCache):
     def init_metrics_collector(self) -> None:
         """SGLang calls this under --enable-metrics: our series take the cache's labels."""
         super().init_metrics_collector()
-        self.metrics = PrometheusForestMetrics(self.metrics_collector.labels, self.segments, self.bytes_per_token())
+        self.metrics = PrometheusForestMetrics(self.metrics_collector.labels, self.segments, self.bytes_per_token(),
+                                               self.storage_counts)
 
     @property
     def caches_segments(self) -> bool:
@@ -128,6 +129,7 @@ class SegmentForest(RadixCache):
         for entry in state.reading:
             self._unpin(entry)
         state.reading.clear()
+        self.metrics.update_held()
 
     def insert_segments(self, req, state: RequestReuse, up_to: int) -> None:
         """Cache the request's shared segments whose exact KV is complete (end <= up_to)."""
@@ -322,7 +324,8 @@ class SegmentForest(RadixCache):
         (under zero copy, after `settle`: only those hold own slots)."""
         own = recomputed if self.zero_copy else plan.reused_tokens
         plan.request.record_recomputed(plan, recomputed, own)
-        self.metrics.count_reuse(plan.reused_tokens - recomputed, recomputed)
+        self.metrics.count_reuse(plan.reused_tokens - recomputed, recomputed, own)
+        self.metrics.update_held()
 
     # --- one eviction order over tree leaves and segments -----------------------------------
 
@@ -380,16 +383,19 @@ class SegmentForest(RadixCache):
         """/server_info's view, with the pool's accounting: at quiescence every used slot
         belongs to the tree or to a segment (no leak)."""
         allocator = self.token_to_kv_pool_allocator
-        live = self.requests.values()
-        masters = allocator.refs.master_slots() if self.zero_copy else self.segments.tokens
         return {**self.segments.stats(self.bytes_per_token()),
                 "tree_evictable_tokens": super().evictable_size(), "tree_protected_tokens": self.protected_size(),
                 "pool_tokens": allocator.size, "free_tokens": allocator.available_size(),
-                "live_requests": len(live),
-                "master_tokens": masters, "segment_only_tokens": self._segment_only_tokens(),
-                "mirror_diff_tokens": sum(s.counts.mirror_diff_tokens for s in live),
-                "row_references": sum(s.shared_tokens for s in live),
+                "live_requests": len(self.requests), **self.storage_counts()._asdict(),
+                "segment_only_tokens": self._segment_only_tokens(),
                 "pinned_segments": sum(1 for e in self.segments.entries.values() if e.readers)}
+
+    def storage_counts(self) -> StorageCounts:
+        """Masters, live Mirror diffs and row references now (O(pool) under mirror storage)."""
+        live = self.requests.values()
+        masters = self.token_to_kv_pool_allocator.refs.master_slots() if self.zero_copy else self.segments.tokens
+        return StorageCounts(masters, sum(s.counts.mirror_diff_tokens for s in live),
+                             sum(s.shared_tokens for s in live))
 
 
 ACTIVE: SegmentForest | None = None  # the scheduler process's forest, for the model forward
