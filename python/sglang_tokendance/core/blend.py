@@ -302,7 +302,7 @@ def _layer(model, kv, stage: "_Stage", layer: int, hidden: torch.Tensor, mass: t
     q, k, v = model.qkv(layer, hidden, stage.rotary)
     rope_on_read = stage.rope_on_read
     if rope_on_read is not None:
-        k = rope_on_read.unrotate(k, stage.positions)
+        k = rope_on_read.unrotate(k, stage.positions, stage.longest)
     if stage.final is None:
         kv.write(layer, stage.locs, k, v)
     else:
@@ -325,6 +325,7 @@ class _Stage:
                  mass: bool = False):
         self.rope_on_read = batch.rope_on_read
         self.rows = rows
+        self.longest = max(row.numel() for row in batch.kv_rows)  # rows are longer than any of their positions
         self.locs = batch.locs[rows]
         self.positions = batch.positions[rows]
         self.rotary = model.rotary(self.positions)
