@@ -104,3 +104,14 @@ def test_the_hook_swaps_only_sglangs_plain_allocator():
     assert type(ours) is RefCountedAllocator and (ours.size, ours.need_sort) == (16, True)
     other = object()
     assert install_allocator(other) is other
+
+
+def test_a_master_dropped_inside_a_free_group_is_released_once():
+    pool = allocator()
+    slots = pool.alloc(2)
+    pool.hold(slots)
+    pool.free(slots)  # the author's row: the Master alone holds them
+    pool.free_group_begin()
+    pool.unhold(slots)  # evicted while SGLang batches its frees
+    pool.free_group_end()
+    assert pool.available_size() == 16 and not pool.refs.refs.any()

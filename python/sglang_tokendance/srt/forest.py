@@ -37,6 +37,7 @@ import heapq
 import itertools
 import logging
 import time
+from typing import Callable
 
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult
@@ -164,7 +165,7 @@ class SegmentForest(RadixCache):
             return
         if self.zero_copy:
             if length > 0:
-                slots = row[start:start + length].to(torch.int64)
+                slots = row[start:start + length].to(torch.int64, copy=True)
                 self.token_to_kv_pool_allocator.hold(slots)
                 self.segments.insert(key, slots, ids)
             return
@@ -341,17 +342,14 @@ class SegmentForest(RadixCache):
         heap = [(priority(n), next(order), n) for n in self.evictable_leaves]
         heap += [(priority(e), next(order), e) for e in self.segments.entries.values() if not e.readers]
         heapq.heapify(heap)
-        allocator = self.token_to_kv_pool_allocator
-        free_before = allocator.available_size()
-        evicted = 0  # slots freed (a slot another owner still holds stays in use)
+        evicted = 0
         while evicted < params.num_tokens and heap:
             _, _, item = heapq.heappop(heap)
             if isinstance(item, SegmentEntry):
-                self._drop_master(self.segments.remove(item))
-                evicted = allocator.available_size() - free_before
+                evicted += self._freed_by(lambda: self._drop_master(self.segments.remove(item)), len(item))
                 continue
-            allocator.free_segment(item.value, start_pos=0)
-            evicted = allocator.available_size() - free_before
+            evicted += self._freed_by(lambda: self.token_to_kv_pool_allocator.free_segment(item.value, start_pos=0),
+                                      len(item.value))
             self._delete_leaf(item)
             if len(item.parent.children) == 0 and item.parent.lock_ref == 0:
                 heapq.heappush(heap, (priority(item.parent), next(order), item.parent))
@@ -359,6 +357,16 @@ class SegmentForest(RadixCache):
         self.update_eviction_metrics(evicted, start_time)
         self.metrics.update_held()
         return EvictResult(num_tokens_evicted=evicted)
+
+    def _freed_by(self, release: Callable[[], None], tokens: int) -> int:
+        """Slots that `release` (dropping an evicted item's `tokens` references) frees: all of
+        them under dense storage; under mirror storage a slot another owner holds stays."""
+        if not self.zero_copy:
+            release()
+            return tokens
+        before = self.token_to_kv_pool_allocator.available_size()
+        release()
+        return self.token_to_kv_pool_allocator.available_size() - before
 
     def evictable_size(self) -> int:
         """Slots eviction can free, each once: the tree's unlocked ones, and the segments'

@@ -40,7 +40,7 @@ class RefCountedAllocator(TokenToKVPoolAllocator):
         if self.free_group is not None:  # SGLang's batched frees: counted when the group ends
             self.free_group.append(self._copy_for_free_group(free_index))
             return
-        super().free(self.refs.release(free_index.to(torch.int64)))
+        self._to_free_list(self.refs.release(free_index.to(torch.int64)))
 
     def share(self, slots: torch.Tensor) -> None:
         """One more owner (a request row reading a Master in place) for each of `slots`."""
@@ -52,7 +52,16 @@ class RefCountedAllocator(TokenToKVPoolAllocator):
 
     def unhold(self, slots: torch.Tensor) -> None:
         """A Master drops its references (evicted, or the cache reset)."""
-        super().free(self.refs.unhold(slots))
+        self._to_free_list(self.refs.unhold(slots))
+
+    def _to_free_list(self, released: torch.Tensor) -> None:
+        """Slots whose last reference went: SGLang's free list, now (already counted, they
+        must not pass a free group's deferred `free` again)."""
+        group, self.free_group = self.free_group, None
+        try:
+            super().free(released)
+        finally:
+            self.free_group = group
 
 
 def install_allocator(allocator, *unused, **unused_kw):
