@@ -7,10 +7,13 @@ points at it. Every owner takes one reference and drops its own; the slot is fre
 last goes. On top of the plain count, `masters` counts the Master references of each slot and
 `pins` the live rows reading a Master that holds it (a pinned Master is not evictable), so the
 pool can say how many slots eviction could still free (`evictable_master_slots`), counting
-each slot once however many owners it has.
+each slot once however many owners it has. Those counts scan the pool, so each is kept until
+the next change (the scheduler asks for them several times a step).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -26,19 +29,31 @@ class SlotRefs:
         self.refs = torch.zeros(size + 1, dtype=torch.int32, device=device)
         self.masters = torch.zeros_like(self.refs)
         self.pins = torch.zeros_like(self.refs)
+        self._counts: dict[str, int] = {}  # the pool scans since the last change
+
+    def _changed(self) -> None:
+        self._counts.clear()
+
+    def _count(self, name: str, mask: Callable[[], torch.Tensor]) -> int:
+        if name not in self._counts:
+            self._counts[name] = int(mask().sum())
+        return self._counts[name]
 
     def allocated(self, slots: torch.Tensor) -> None:
         """Fresh slots from the free list: one owner each."""
         self.refs[slots] = 1
+        self._changed()
 
     def share(self, slots: torch.Tensor) -> None:
         """One more owner for each of `slots` (repeats count once per occurrence)."""
         self.refs.index_add_(0, slots, torch.ones_like(slots, dtype=torch.int32))
+        self._changed()
 
     def release(self, slots: torch.Tensor) -> torch.Tensor:
         """Drop one reference per occurrence; returns the slots whose last reference went
         (each once), for the free list."""
         self.refs.index_add_(0, slots, torch.full_like(slots, -1, dtype=torch.int32))
+        self._changed()
         left = self.refs[slots]
         if bool((left < 0).any()):
             wrong = torch.unique(slots[left < 0])
@@ -48,8 +63,8 @@ class SlotRefs:
 
     def hold(self, slots: torch.Tensor) -> None:
         """A Master takes a reference on `slots`."""
-        self.share(slots)
         self.masters.index_add_(0, slots, torch.ones_like(slots, dtype=torch.int32))
+        self.share(slots)
 
     def unhold(self, slots: torch.Tensor) -> torch.Tensor:
         """A Master drops its references; returns the slots now free."""
@@ -59,18 +74,20 @@ class SlotRefs:
     def pin(self, slots: torch.Tensor) -> None:
         """A live row reads the Master holding `slots`: none of them is evictable meanwhile."""
         self.pins.index_add_(0, slots, torch.ones_like(slots, dtype=torch.int32))
+        self._changed()
 
     def unpin(self, slots: torch.Tensor) -> None:
         self.pins.index_add_(0, slots, torch.full_like(slots, -1, dtype=torch.int32))
+        self._changed()
 
     def master_slots(self) -> int:
         """Slots some Master holds (each once)."""
-        return int((self.masters > 0).sum())
+        return self._count("masters", lambda: self.masters > 0)
 
     def master_only_slots(self) -> int:
         """Slots held by Masters and by nobody else (not the tree, not a row)."""
-        return int(((self.masters > 0) & (self.refs == self.masters)).sum())
+        return self._count("master_only", lambda: (self.masters > 0) & (self.refs == self.masters))
 
     def evictable_master_slots(self) -> int:
         """Slots evicting every unpinned Master would free: held by Masters only, none pinned."""
-        return int(((self.masters > 0) & (self.refs == self.masters) & (self.pins == 0)).sum())
+        return self._count("evictable", lambda: (self.masters > 0) & (self.refs == self.masters) & (self.pins == 0))
