@@ -312,6 +312,9 @@ def test_zero_copy_rows_read_one_master_at_different_offsets_and_free_only_their
     plans = {i: forest.planned[i] for i in (1, 2)}
     assert torch.equal(plans[1].own, own[1][2:14].long()) and torch.equal(plans[2].own, own[2][5:17].long())
     assert forest.evictable_size() == 0 and forest.stats()["row_references"] == 24
+    busy_check = lambda: (allocator.available_size() + forest.evictable_size() + forest.protected_size()  # noqa: E731
+                          + 2 * 20)  # SGLang's, counting both rows' 20 positions as theirs
+    assert busy_check() == 64
     kept = torch.zeros(12, dtype=torch.bool)
     kept[[0, 5]] = True  # the blended prefill recomputed two of the first reader's tokens
     free_before = allocator.available_size()
@@ -319,6 +322,7 @@ def test_zero_copy_rows_read_one_master_at_different_offsets_and_free_only_their
     forest.settle(forest.planned.pop(2), None)  # ratio 0: the second reads the Master everywhere
     assert rows[1, 2] == own[1][2] and rows[1, 7] == own[1][7] and torch.equal(rows[1, 3:7].long(), master[1:5])
     assert allocator.available_size() == free_before + 10 + 12  # every own slot of a token not kept
+    assert busy_check() == 64
     stats = forest.stats()
     assert (stats["row_references"], stats["pinned_segments"], stats["master_tokens"]) == (22, 1, 12)
     assert forest.evict(EvictParams(num_tokens=100)).num_tokens_evicted == 0  # read by live rows
@@ -328,7 +332,7 @@ def test_zero_copy_rows_read_one_master_at_different_offsets_and_free_only_their
     release(forest, second, 20)
     assert forest.evictable_size() == 12 and forest.stats()["pinned_segments"] == 0
     assert forest.evict(EvictParams(num_tokens=1)).num_tokens_evicted == 12
-    assert allocator.available_size() == 64 and not allocator.refs.refs.any()
+    assert allocator.available_size() == 64 and not allocator.refs.refs.any() and not allocator.refs.reads.any()
 
 
 def test_a_forward_that_computes_everything_gives_every_reused_position_its_own_slot_back():
@@ -358,8 +362,15 @@ def test_a_master_shared_with_the_tree_is_counted_once_and_outlives_the_trees_le
     slots = allocator.alloc(10)
     tree = add_leaf(forest, list(range(200, 210)), int(slots[0]), accessed=1.0, created=1.0)
     assert torch.equal(tree.value, slots)
-    forest._cache_segment(((None, None), "t"), list(range(200, 210)), slots.to(torch.int32), 0, 10)
+    forest._cache_segment(((None, None), "t"), list(range(100, 110)), slots.to(torch.int32), 0, 10)
     assert forest.evictable_size() == 10 and 64 - allocator.available_size() == 10  # one slot, one count
+    reader = reading_req(forest, 1, [SegmentSpan(0, 10, "t")], 12)
+    forest.restore_segments(SimpleNamespace(reqs=[reader]))
+    forest.settle(forest.planned.pop(1), None)
+    assert forest.evictable_size() == 0  # the tree's leaf is evictable, but its slots stay with the reader
+    assert allocator.available_size() + forest.evictable_size() + forest.protected_size() + 12 == 64
+    assert forest.evict(EvictParams(num_tokens=5)).num_tokens_evicted == 0
+    release(forest, reader, 12)
     assert forest.evict(EvictParams(num_tokens=5)).num_tokens_evicted >= 5
     assert 64 - allocator.available_size() == forest.evictable_size()
     forest.reset()

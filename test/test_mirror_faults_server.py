@@ -30,9 +30,11 @@ def cache_every_block(url: str) -> None:
 
 @pytest.fixture(scope="module")
 def server(smollm2_path):
-    # an optimistic admission (--schedule-conservativeness) lets decodes outgrow the pool: SGLang retracts
+    # an optimistic admission (--schedule-conservativeness) lets decodes outgrow the pool: SGLang retracts;
+    # SGLang checks its pool accounting after every step (each slot counted once) and stops on a mismatch
     with ServerProcess(["--max-total-tokens", str(POOL), "--context-length", "1024", "--schedule-conservativeness",
-                        "0.05", "--tokendance-storage", "mirror", "--tokendance-check-layer", "2"]) as proc:
+                        "0.05", "--tokendance-storage", "mirror", "--tokendance-check-layer", "2"],
+                       env={"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1"}) as proc:
         cache_every_block(proc.url)
         assert forest_stats(proc.url)["segment_nodes"] == len(BLOCKS)
         yield proc.url
@@ -114,7 +116,7 @@ def test_many_mirrors_hold_more_kv_positions_than_the_pool_and_all_finish(server
     watcher.start()
     try:
         with ThreadPoolExecutor(12) as pool:
-            outs = list(pool.map(lambda a: post(server, agent_prompt(a, 3), 160, ignore_eos=True), range(12)))
+            outs = list(pool.map(lambda a: post(server, agent_prompt(a, 3), 320, ignore_eos=True), range(12)))
     finally:
         done.set()
         watcher.join()

@@ -48,17 +48,32 @@ def test_masters_are_counted_once_and_evictable_only_when_alone_and_unpinned():
     assert refs.master_slots() == 0
 
 
+def test_slots_off_the_tree_are_those_only_masters_and_reading_rows_hold():
+    refs = SlotRefs(8)
+    slots = torch.tensor([1, 2, 3, 4])
+    refs.allocated(slots)  # the tree holds 1-4
+    refs.hold(slots)
+    refs.read(torch.tensor([3, 4, 4]))  # rows read 3 and 4 (4 twice)
+    assert (refs.masters_off_tree_slots(), refs.read_slots()) == (0, 3)
+    refs.release(slots)  # the tree evicts its leaf
+    assert (refs.masters_off_tree_slots(), refs.master_only_slots(), refs.read_slots()) == (4, 2, 3)
+    refs.release(torch.tensor([4, 4]))
+    refs.unread(torch.tensor([4, 4]))  # both rows reading 4 end
+    assert (refs.masters_off_tree_slots(), refs.master_only_slots(), refs.read_slots()) == (4, 3, 1)
+
+
 @pytest.mark.parametrize("need_sort", [False, True])
 def test_allocator_returns_a_shared_slot_when_its_last_owner_frees_it(need_sort):
     pool = allocator(need_sort=need_sort)
     slots = pool.alloc(4)
     assert pool.available_size() == 12
     pool.hold(slots[:2])  # a Master
-    pool.share(slots[:2])  # a row reading it
+    pool.read(slots[:2])  # a row reading it
     pool.free(slots)  # the author's row
     assert pool.available_size() == 14
-    pool.free(slots[:2])  # the reader's row
-    assert pool.available_size() == 14
+    pool.free(slots[:2])  # SGLang frees the reader's row
+    pool.refs.unread(slots[:2])
+    assert pool.available_size() == 14 and pool.refs.master_only_slots() == 2
     pool.unhold(slots[:2])  # the Master is evicted
     assert pool.available_size() == 16
     with pytest.raises(DoubleFree):
@@ -70,7 +85,7 @@ def test_allocator_counts_grouped_frees_when_the_group_ends():
     two owners is released once, at the end."""
     pool = allocator()
     slots = pool.alloc(3)
-    pool.share(slots[1:])
+    pool.read(slots[1:])
     pool.free_group_begin()
     pool.free(slots)
     pool.free(slots[1:2])

@@ -127,6 +127,9 @@ class SegmentForest(RadixCache):
             del self.planned[plan.pool_index]
             if plan.own is not None:  # SGLang freed the row (the Master references in it) but not these
                 self.token_to_kv_pool_allocator.free(plan.own)
+        for masters in state.read_slots.values():  # their references went with the row
+            self.token_to_kv_pool_allocator.refs.unread(masters)
+        state.read_slots.clear()
         for entry in state.reading:
             self._unpin(entry)
         state.reading.clear()
@@ -222,11 +225,11 @@ class SegmentForest(RadixCache):
         where = plan.positions(row.device)
         plan.own = row[where].to(torch.int64)
         row[where] = masters.to(row.dtype)
-        self.token_to_kv_pool_allocator.share(masters)
+        self.token_to_kv_pool_allocator.read(masters)
+        plan.request.read_slots[plan.prefix_len] = masters
         for run in plan.runs:
             self._pin(run.entry)
             plan.request.reading.append(run.entry)
-        plan.request.shared_tokens += plan.reused_tokens
 
     def settle(self, plan: ChunkPlan, kept: torch.Tensor | None) -> None:
         """After the blended prefill (zero copy): the reused tokens it kept (`kept`, a mask
@@ -242,11 +245,11 @@ class SegmentForest(RadixCache):
             return
         row = self.req_to_token_pool.req_to_token[plan.pool_index]
         where = plan.positions(row.device)[kept]
-        masters = row[where].to(torch.int64)
         row[where] = own[kept].to(row.dtype)
-        allocator.free(masters)  # the row's references
+        masters = plan.request.read_slots[plan.prefix_len]
+        allocator.unread(masters[kept])  # the row's references
+        plan.request.read_slots[plan.prefix_len] = masters[~kept]
         allocator.free(own[~kept])
-        plan.request.shared_tokens -= int(kept.sum())
         for run, part in zip(plan.runs, kept.split([run.end - run.start for run in plan.runs])):
             if bool(part.all()):
                 self._stop_reading(plan.request, run.entry)
@@ -258,11 +261,8 @@ class SegmentForest(RadixCache):
         if own is None:
             return
         row = self.req_to_token_pool.req_to_token[plan.pool_index]
-        where = plan.positions(row.device)
-        masters = row[where].to(torch.int64)
-        row[where] = own.to(row.dtype)
-        self.token_to_kv_pool_allocator.free(masters)
-        plan.request.shared_tokens -= plan.reused_tokens
+        row[plan.positions(row.device)] = own.to(row.dtype)
+        self.token_to_kv_pool_allocator.unread(plan.request.read_slots.pop(plan.prefix_len))
         for run in plan.runs:
             self._stop_reading(plan.request, run.entry)
 
@@ -369,9 +369,33 @@ class SegmentForest(RadixCache):
         return self.token_to_kv_pool_allocator.available_size() - before
 
     def evictable_size(self) -> int:
-        """Slots eviction can free, each once: the tree's unlocked ones, and the segments'
-        (mirror storage: those no other owner holds, of Masters no live row reads)."""
-        return super().evictable_size() + self._segment_only_tokens(evictable=True)
+        """Slots eviction can free, each once: the tree's unlocked ones and the segments'.
+        Mirror storage: a segment's slots no other owner holds, of a Master no live row reads;
+        the tree's slots that a read or pinned Master keeps are not counted (`protected_size`
+        counts them), so SGLang never admits a prefill on slots eviction cannot free."""
+        return super().evictable_size() - self._tree_slots_kept() + self._segment_only_tokens(evictable=True)
+
+    def _tree_slots_kept(self) -> int:
+        """The tree's unlocked slots that live readers of Masters keep from eviction (at most;
+        those of locked nodes are among them when a reader's row also holds its tree prefix)."""
+        if not self.zero_copy:
+            return 0
+        return min(super().evictable_size(), self.token_to_kv_pool_allocator.refs.tree_slots_kept_by_readers())
+
+    def protected_size(self) -> int:
+        """The tree's locked tokens. Under mirror storage SGLang's pool check (available +
+        evictable + protected + every live row position past its tree prefix == total,
+        run while busy under SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY) counts a row position
+        that reads a Master as the request's own slot, once per reader: this adds the
+        Masters' slots eviction cannot free and the own slots a plan keeps aside, and takes
+        those row positions off, so every slot is counted once. At quiescence it is the tree's."""
+        protected = super().protected_size()
+        if not self.zero_copy:
+            return protected
+        refs = self.token_to_kv_pool_allocator.refs
+        aside = sum(plan.own.numel() for plan in self.planned.values() if plan.own is not None)
+        return (protected + self._tree_slots_kept() + refs.masters_off_tree_slots() - refs.evictable_master_slots()
+                + aside - refs.read_slots())
 
     def _segment_only_tokens(self, evictable: bool = False) -> int:
         """Slots held by segments alone (dense storage: all of theirs)."""
@@ -392,7 +416,7 @@ class SegmentForest(RadixCache):
         belongs to the tree or to a segment (no leak)."""
         allocator = self.token_to_kv_pool_allocator
         return {**self.segments.stats(self.bytes_per_token()),
-                "tree_evictable_tokens": super().evictable_size(), "tree_protected_tokens": self.protected_size(),
+                "tree_evictable_tokens": super().evictable_size(), "tree_protected_tokens": super().protected_size(),
                 "pool_tokens": allocator.size, "free_tokens": allocator.available_size(),
                 "live_requests": len(self.requests), **self.storage_counts()._asdict(),
                 "segment_only_tokens": self._segment_only_tokens(),

@@ -42,9 +42,14 @@ class RefCountedAllocator(TokenToKVPoolAllocator):
             return
         self._to_free_list(self.refs.release(free_index.to(torch.int64)))
 
-    def share(self, slots: torch.Tensor) -> None:
-        """One more owner (a request row reading a Master in place) for each of `slots`."""
-        self.refs.share(slots)
+    def read(self, slots: torch.Tensor) -> None:
+        """A request row reads `slots` (a Master's) in place: one reference each."""
+        self.refs.read(slots)
+
+    def unread(self, slots: torch.Tensor) -> None:
+        """The row stops reading `slots` and drops those references."""
+        self.refs.unread(slots)
+        self.free(slots)
 
     def hold(self, slots: torch.Tensor) -> None:
         """A Master takes a reference on `slots`."""

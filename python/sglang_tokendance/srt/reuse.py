@@ -92,7 +92,12 @@ class RequestReuse:
     counts: ReuseCounts = field(default_factory=ReuseCounts)
     uninserted: list[SegmentSpan] = field(default_factory=list)  # spans not yet cached
     reading: list[SegmentEntry] = field(default_factory=list)  # Masters the row reads in place (pinned)
-    shared_tokens: int = 0  # row positions that read a Master's slot in place
+    read_slots: dict[int, torch.Tensor] = field(default_factory=dict)  # chunk start -> Master slots its row reads
+
+    @property
+    def shared_tokens(self) -> int:
+        """Row positions that read a Master's slot in place."""
+        return sum(slots.numel() for slots in self.read_slots.values())
     _looked_up: set[int] = field(default_factory=set)  # spans counted as a hit or a miss
 
     @classmethod
