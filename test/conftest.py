@@ -65,8 +65,10 @@ def forest_stats(url: str) -> dict | None:
 
 def assert_no_leak(url: str, timeout: float = 20.0) -> None:
     """At quiescence, before any flush: every used KV slot belongs to the radix tree or to a
-    segment, the tree holds no lock, and no per-request state is left behind. The scheduler
-    releases a request just after answering it, so this waits a little for quiescence."""
+    segment (Master), each slot counted once (under mirror storage a Master can hold the
+    tree's own slots), the tree holds no lock, no Master is pinned by a row, and no
+    per-request state is left behind (so no live own slots). The scheduler releases a request
+    just after answering it, so this waits a little for quiescence."""
     import time
 
     deadline = time.monotonic() + timeout
@@ -75,12 +77,13 @@ def assert_no_leak(url: str, timeout: float = 20.0) -> None:
         if stats is None:
             return
         used = stats["pool_tokens"] - stats["free_tokens"]
-        owned = stats["tree_evictable_tokens"] + stats["segment_tokens"]
-        quiet = stats["tree_protected_tokens"] == 0 and stats["live_requests"] == 0
+        owned = stats["tree_evictable_tokens"] + stats["segment_only_tokens"]
+        quiet = stats["tree_protected_tokens"] == 0 and stats["live_requests"] == 0 and stats["pinned_segments"] == 0
         if (quiet and used == owned) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
-    assert stats["tree_protected_tokens"] == 0 and stats["live_requests"] == 0, stats
+    assert quiet and stats["row_references"] == 0 == stats["mirror_diff_tokens"], stats
+    assert stats["segment_only_tokens"] <= stats["master_tokens"] <= stats["segment_tokens"], stats
     assert used == owned, f"{used} KV slots in use, {owned} held by the tree and segments: {stats}"
 
 

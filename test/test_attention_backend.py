@@ -47,7 +47,8 @@ def batch(mode, rows: list[int], starts: list[int], ends: list[int], slots: torc
     """A ForwardBatch's fields for requests in req_to_token rows `rows` computing positions
     [starts[b], ends[b]) in slots `slots` (flattened)."""
     positions = torch.cat([torch.arange(s, e) for s, e in zip(starts, ends)])
-    fields = dict(forward_mode=mode, req_pool_indices=torch.tensor(rows), seq_lens=torch.tensor(ends),
+    fields = dict(forward_mode=mode, req_pool_indices=torch.tensor(rows), req_pool_indices_cpu=torch.tensor(rows),
+                  seq_lens=torch.tensor(ends),
                   seq_lens_cpu=torch.tensor(ends), positions=positions, out_cache_loc=slots, encoder_lens=None)
     if mode.is_extend():
         counts = [e - s for s, e in zip(starts, ends)]

@@ -137,6 +137,66 @@ def test_mirror_storage_computes_what_dense_storage_computes(arch):
             torch.testing.assert_close(mirror[name][key], want[key], atol=5e-5, rtol=5e-5, msg=f"{name} {key}")
 
 
+def zero_copy_batch(rows: list[RequestRow], pool: DenseKV) -> tuple[list[RequestRow], DenseKV, torch.Tensor]:
+    """The same batch read in place: every reused token's KV moved to a Master slot past the
+    pool's, the rows pointing there, each reused position's own slot (left empty) in `own`."""
+    masters = torch.cat([row.slots[row.prefix_len + r.start:row.prefix_len + r.end] for row in rows
+                         for r in row.reused])
+    size = pool.k.shape[1]
+    master_slots = torch.arange(size, size + masters.numel())
+    out = DenseKV.__new__(DenseKV)
+    out.k, out.v = torch.cat([pool.k, pool.k[:, masters]], 1), torch.cat([pool.v, pool.v[:, masters]], 1)
+    out.k[:, masters], out.v[:, masters] = 0.0, 0.0  # own slots start empty: nothing may read them unwritten
+    moved, used = [], 0
+    for row in rows:
+        slots, own = row.slots.clone(), []
+        for r in row.reused:
+            n = r.end - r.start
+            own.append(slots[row.prefix_len + r.start:row.prefix_len + r.end].clone())
+            slots[row.prefix_len + r.start:row.prefix_len + r.end] = master_slots[used:used + n]
+            used += n
+        moved.append(RequestRow(row.prefix_len, row.num_tokens, slots, row.reused,
+                                own=torch.cat(own) if own else None))
+    return moved, out, master_slots
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_zero_copy_reads_masters_in_place_and_writes_only_kept_tokens(arch):
+    """Mirror storage, zero copy: rows read the reused tokens' KV in Master slots and carry
+    their own slots. The hidden states and kept masks equal the copying run's; a kept token's
+    KV is written into its own slot (equal to what the copying run wrote at its slot); a token
+    not kept reads the Master, whose slots are never written; dense write-back is refused."""
+    model = tiny(arch)
+    ids, positions, rows, pool = batch(model)
+    spec = RopeSpec.from_hf_config(model.lm.config)
+    rope_on_read = RopeOnRead(spec)
+    pool = rotate_rows(pool, rows, lambda k, p: unrotate(k, p, spec))
+    zero_rows, zero_pool, master_slots = zero_copy_batch(rows, pool)
+    for name, (options, rule) in SCENARIOS.items():
+        rule = rule and rule_named(rule)
+        copied = pool.clone()
+        want, want_stats = blended_prefill(model, copied, ids, positions, rows, options, rule, rope_on_read)
+        kv = zero_pool.clone()
+        if not options.sparse_writeback:
+            with pytest.raises(ValueError, match="sparse write-back"):
+                blended_prefill(model, kv, ids, positions, zero_rows, options, rule, rope_on_read)
+            continue
+        got, stats = blended_prefill(model, kv, ids, positions, zero_rows, options, rule, rope_on_read)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=name)
+        assert (stats.kept is None) == (want_stats.kept is None), name
+        assert stats.kept is None or torch.equal(stats.kept, want_stats.kept), name
+        assert torch.equal(kv.k[:, master_slots], zero_pool.k[:, master_slots]), name  # Masters untouched
+        assert torch.equal(kv.v[:, master_slots], zero_pool.v[:, master_slots]), name
+        kept = stats.kept if stats.kept is not None else torch.zeros(master_slots.numel(), dtype=torch.bool)
+        own = torch.cat([row.own for row in zero_rows if row.own is not None])
+        torch.testing.assert_close(kv.k[:, own[kept]], copied.k[:, own[kept]], atol=1e-5, rtol=1e-5, msg=name)
+        torch.testing.assert_close(kv.v[:, own[kept]], copied.v[:, own[kept]], atol=1e-5, rtol=1e-5, msg=name)
+        assert not kv.k[:, own[~kept]].any(), name  # a token not kept never writes its own slot
+        fresh = torch.cat([row.slots[row.prefix_len:] for row in zero_rows])
+        fresh = fresh[~torch.isin(fresh, master_slots)]
+        torch.testing.assert_close(kv.k[:, fresh], copied.k[:, fresh], atol=1e-5, rtol=1e-5, msg=name)
+
+
 if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
     GOLDEN.parent.mkdir(exist_ok=True)
     torch.save({arch: outputs(arch) for arch in FAMILIES}, GOLDEN)

@@ -30,6 +30,9 @@ class Allocator:
     def free_segment(self, slots: torch.Tensor, start_pos: int = 0) -> None:
         self.free(slots)
 
+    def available_size(self) -> int:
+        return len(self.freed)
+
 
 def make_forest(policy: str = "lru"):
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -131,9 +134,10 @@ def test_a_segment_split_over_chunks_is_reused_piecewise_and_counted_once():
     counts = state.counts
     assert (counts.segment_hits, counts.segment_misses) == (1, 1)
     assert counts.reused_tokens == 40 and counts.computed_tokens == 120 - 40
-    state.record_recomputed(first, 5)
+    state.record_recomputed(first, 5, 5)
     assert (counts.reused_tokens, counts.recomputed_tokens, counts.computed_tokens) == (35, 5, 85)
-    assert req.customized_info[REUSE_INFO_KEY] == [vars(counts)]
+    assert counts.mirror_diff_tokens == 5  # own slots at reused positions: 40 positions per 5 own slots
+    assert req.customized_info[REUSE_INFO_KEY] == [{**vars(counts), "mirror_compression": 40 / 5}]
 
 
 def test_a_corrupted_entry_is_refused_and_the_span_computed():
@@ -244,3 +248,130 @@ def test_segment_copies_follow_the_pools_k_form(rotated):
     assert (keys.rope_on_read is None) == rotated
     if not rotated:
         assert torch.equal(k_buffers[0][reader], k_buffers[0][:4])  # no rotation at all
+
+
+def mirror_forest(size: int = 64, rows: int = 4):
+    """A forest under mirror storage over SGLang's RadixCache, our RefCountedAllocator and a
+    req_to_token table (no model: the KV itself is never touched by zero-copy bookkeeping)."""
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+
+    from sglang_tokendance.core.rope import RopeSpec
+    from sglang_tokendance.srt.forest import SegmentForest
+    from sglang_tokendance.srt.kv_copy import PoolKeys
+    from sglang_tokendance.srt.pool import RefCountedAllocator
+
+    buffer = torch.zeros(size + 1, 1, 8)
+    kvcache = SimpleNamespace(start_layer=0, layer_num=1, get_key_buffer=lambda layer: buffer)
+    allocator = RefCountedAllocator(size, dtype=torch.float32, device="cpu", kvcache=kvcache, need_sort=False)
+    table = SimpleNamespace(req_to_token=torch.zeros(rows, 128, dtype=torch.int32))
+    params = CacheInitParams(disable=False, req_to_token_pool=table, token_to_kv_pool_allocator=allocator,
+                             page_size=1, eviction_policy="lru")
+    return SegmentForest(params, PoolKeys(RopeSpec(head_dim=8, rotary_dim=8, base=1e4), rotated=False), reuse=True)
+
+
+class Req(SimpleNamespace):
+    __hash__, __eq__ = object.__hash__, object.__eq__  # SGLang's Req: keyed by identity
+
+
+def reading_req(forest, pool_index: int, spans: list[SegmentSpan], prompt_len: int):
+    """A request SGLang just allocated, reading segment ids 100.. in each span: its row holds
+    fresh own slots for the whole prompt."""
+    req = Req(**vars(fake_req(spans, prompt_len)))
+    for span in spans:
+        req.origin_input_ids[span.start:span.end] = range(100, 100 + span.end - span.start)
+    req.__dict__.update(prefix_len=0, extend_end=prompt_len, lora_id=None, return_logprob=False,
+                        logprob_start_len=-1, return_hidden_states=False, input_embeds=None,
+                        multimodal_inputs=None, kv=SimpleNamespace(req_pool_idx=pool_index))
+    forest.req_to_token_pool.req_to_token[pool_index, :prompt_len] = forest.token_to_kv_pool_allocator.alloc(
+        prompt_len).to(torch.int32)
+    return req
+
+
+def release(forest, req, prompt_len: int) -> None:
+    """What SGLang does when a request ends: free its row, then tell the cache."""
+    row = forest.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :prompt_len]
+    forest.token_to_kv_pool_allocator.free(row.to(torch.int64))
+    forest.on_release(req, checkpointed=False)
+
+
+def test_zero_copy_rows_read_one_master_at_different_offsets_and_free_only_their_own_slots():
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    forest = mirror_forest()
+    allocator, rows = forest.token_to_kv_pool_allocator, forest.req_to_token_pool.req_to_token
+    author = allocator.alloc(12)
+    forest._cache_segment(((None, None), "a"), list(range(100, 112)), author.to(torch.int32), 0, 12)
+    allocator.free(author)  # the author's row ends: the Master alone holds its slots (zero copy: no new slots)
+    assert allocator.available_size() == 64 - 12 and forest.evictable_size() == 12
+    master = forest.segments.entries[((None, None), "a")].slots
+    first = reading_req(forest, 1, [SegmentSpan(2, 14, "a")], 20)
+    second = reading_req(forest, 2, [SegmentSpan(5, 17, "a")], 20)
+    own = {i: rows[i, :20].clone() for i in (1, 2)}
+    forest.restore_segments(SimpleNamespace(reqs=[first, second]))
+    assert torch.equal(rows[1, 2:14].long(), master) and torch.equal(rows[2, 5:17].long(), master)  # shared
+    plans = {i: forest.planned[i] for i in (1, 2)}
+    assert torch.equal(plans[1].own, own[1][2:14].long()) and torch.equal(plans[2].own, own[2][5:17].long())
+    assert forest.evictable_size() == 0 and forest.stats()["row_references"] == 24
+    busy_check = lambda: (allocator.available_size() + forest.evictable_size() + forest.protected_size()  # noqa: E731
+                          + 2 * 20)  # SGLang's, counting both rows' 20 positions as theirs
+    assert busy_check() == 64
+    kept = torch.zeros(12, dtype=torch.bool)
+    kept[[0, 5]] = True  # the blended prefill recomputed two of the first reader's tokens
+    free_before = allocator.available_size()
+    forest.settle(forest.planned.pop(1), kept)
+    forest.settle(forest.planned.pop(2), None)  # ratio 0: the second reads the Master everywhere
+    assert rows[1, 2] == own[1][2] and rows[1, 7] == own[1][7] and torch.equal(rows[1, 3:7].long(), master[1:5])
+    assert allocator.available_size() == free_before + 10 + 12  # every own slot of a token not kept
+    assert busy_check() == 64
+    stats = forest.stats()
+    assert (stats["row_references"], stats["pinned_segments"], stats["master_tokens"]) == (22, 1, 12)
+    assert forest.evict(EvictParams(num_tokens=100)).num_tokens_evicted == 0  # read by live rows
+    assert list(forest.segments.entries) and forest.evictable_size() == 0
+    release(forest, first, 20)
+    assert forest.evictable_size() == 0  # still read by the second row
+    release(forest, second, 20)
+    assert forest.evictable_size() == 12 and forest.stats()["pinned_segments"] == 0
+    assert forest.evict(EvictParams(num_tokens=1)).num_tokens_evicted == 12
+    assert allocator.available_size() == 64 and not allocator.refs.refs.any() and not allocator.refs.reads.any()
+
+
+def test_a_forward_that_computes_everything_gives_every_reused_position_its_own_slot_back():
+    forest = mirror_forest()
+    allocator, rows = forest.token_to_kv_pool_allocator, forest.req_to_token_pool.req_to_token
+    author = allocator.alloc(12)
+    forest._cache_segment(((None, None), "a"), list(range(100, 112)), author.to(torch.int32), 0, 12)
+    req = reading_req(forest, 1, [SegmentSpan(0, 12, "a")], 16)
+    own = rows[1, :16].clone()
+    forest.restore_segments(SimpleNamespace(reqs=[req]))
+    forest.compute_in_full(forest.planned.pop(1))
+    assert torch.equal(rows[1, :16], own) and forest.stats()["row_references"] == 0
+    assert req.customized_info[REUSE_INFO_KEY][0]["recomputed_tokens"] == 12
+    forest.restore_segments(SimpleNamespace(reqs=[req]))  # planned again, then the forward never ran
+    forest.restore_segments(SimpleNamespace(reqs=[]))
+    assert torch.equal(rows[1, :16], own) and forest.stats()["pinned_segments"] == 0
+    release(forest, req, 16)
+    allocator.free(author)
+    assert forest.evictable_size() == 12 == 64 - allocator.available_size()
+
+
+def test_a_master_shared_with_the_tree_is_counted_once_and_outlives_the_trees_leaf():
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    forest = mirror_forest()
+    allocator = forest.token_to_kv_pool_allocator
+    slots = allocator.alloc(10)
+    tree = add_leaf(forest, list(range(200, 210)), int(slots[0]), accessed=1.0, created=1.0)
+    assert torch.equal(tree.value, slots)
+    forest._cache_segment(((None, None), "t"), list(range(100, 110)), slots.to(torch.int32), 0, 10)
+    assert forest.evictable_size() == 10 and 64 - allocator.available_size() == 10  # one slot, one count
+    reader = reading_req(forest, 1, [SegmentSpan(0, 10, "t")], 12)
+    forest.restore_segments(SimpleNamespace(reqs=[reader]))
+    forest.settle(forest.planned.pop(1), None)
+    assert forest.evictable_size() == 0  # the tree's leaf is evictable, but its slots stay with the reader
+    assert allocator.available_size() + forest.evictable_size() + forest.protected_size() + 12 == 64
+    assert forest.evict(EvictParams(num_tokens=5)).num_tokens_evicted == 0
+    release(forest, reader, 12)
+    assert forest.evict(EvictParams(num_tokens=5)).num_tokens_evicted >= 5
+    assert 64 - allocator.available_size() == forest.evictable_size()
+    forest.reset()
+    assert not forest.segments.entries

@@ -19,22 +19,28 @@ def test_series_count_restores_and_hold_bytes():
     import torch
     from prometheus_client import REGISTRY
 
-    from sglang_tokendance.srt.metrics import PrometheusForestMetrics
+    from sglang_tokendance.srt.metrics import PrometheusForestMetrics, StorageCounts
 
     table = SegmentTable()
-    metrics = PrometheusForestMetrics(LABELS, table, bytes_per_token=12)
+    storage = StorageCounts(master_tokens=0, mirror_diff_tokens=0, row_references=0)
+    metrics = PrometheusForestMetrics(LABELS, table, bytes_per_token=12, storage=lambda: storage)
     metrics.count_restore(hits=2, misses=1)
-    metrics.count_reuse(reused_tokens=30, recomputed_tokens=4)
+    metrics.count_reuse(reused_tokens=30, recomputed_tokens=4, own_tokens=4)
     metrics.count_restore(hits=1, misses=0)
-    metrics.count_reuse(reused_tokens=5, recomputed_tokens=0)
+    metrics.count_reuse(reused_tokens=5, recomputed_tokens=0, own_tokens=0)
     table.insert("h", torch.arange(7), list(range(7)))
+    storage = StorageCounts(master_tokens=7, mirror_diff_tokens=4, row_references=31)
     metrics.update_held()
     value = lambda name: REGISTRY.get_sample_value(name, LABELS)  # noqa: E731
     assert value("sglang:tokendance_segment_hits_total") == 3
     assert value("sglang:tokendance_segment_misses_total") == 1
     assert value("sglang:tokendance_reused_tokens_total") == 35
     assert value("sglang:tokendance_recomputed_tokens_total") == 4
+    assert value("sglang:tokendance_diff_tokens_total") == 4  # 39 restored per 4 own: compression 9.75
     assert value("sglang:tokendance_segment_bytes") == 7 * 12
+    assert value("sglang:tokendance_master_tokens") == 7
+    assert value("sglang:tokendance_mirror_diff_tokens") == 4
+    assert value("sglang:tokendance_row_references") == 31
 
 
 def test_forest_reports_bytes_held_after_evicting_segments():

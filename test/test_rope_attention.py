@@ -113,7 +113,7 @@ def test_a_slot_read_at_another_position_is_rotated_there():
     spec = SPECS["default"]
     rope = RopeOnRead(spec)
     k = torch.randn(1, KV_HEADS, D)
-    stored = rope.unrotate(rotate(k, torch.tensor([3]), spec), torch.tensor([3]))[0]  # written at position 3
+    stored = rope.unrotate(rotate(k, torch.tensor([3]), spec), torch.tensor([3]), 4)[0]  # written at position 3
     rows = torch.zeros(2, 9, KV_HEADS, D)
     rows[0, 7], rows[1, 2] = stored, stored  # read by two rows, at positions 7 and 2
     read = rope(rows, torch.arange(9))
@@ -126,7 +126,7 @@ def test_unrotate_then_read_is_the_identity_at_the_writers_position():
     rope = RopeOnRead(spec)
     k = torch.randn(5, KV_HEADS, D)
     positions = torch.arange(5)
-    torch.testing.assert_close(rope(rope.unrotate(k, positions)[None], positions)[0], k, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rope(rope.unrotate(k, positions, 5)[None], positions)[0], k, atol=1e-5, rtol=1e-5)
 
 
 def test_the_cos_sin_table_grows_with_the_rows():
@@ -167,3 +167,17 @@ def test_triton_kernel_on_the_cpu():
                             timeout=600, cwd=os.path.dirname(__file__))
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert f"{len(triton_cases())} passed" in result.stdout, result.stdout[-2000:]
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_unrotate_from_the_cached_tables_equals_core_rope(name):
+    """What the pool keeps of K (the backend and the blended prefill un-rotate every K they
+    write) comes from RopeOnRead's cached tables, grown past their first size, and is the exact
+    inverse of the model's rotation, YaRN's attention factor divided out."""
+    spec = SPECS[name]
+    rope = RopeOnRead(spec)
+    k, positions = torch.randn(40, KV_HEADS, D), torch.randint(0, 700, (40,))
+    rotated = rotate(k, positions, spec)
+    torch.testing.assert_close(rope.unrotate(rotated, positions, 700), unrotate(rotated, positions, spec),
+                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rope.unrotate(rotated, positions, 700), k, atol=1e-4, rtol=1e-4)

@@ -211,6 +211,8 @@ MIRROR = TokenDanceArgs(storage="mirror")
      "--disable-cuda-graph", "without CUDA graphs"),
     (TokenDanceArgs(storage="mirror", disable_tokendance=True), {"attention_backend": "tokendance"},
      "--tokendance-storage", "--disable-tokendance switches off"),
+    (TokenDanceArgs(storage="mirror", sparse_writeback=False), {"attention_backend": "tokendance"},
+     "--no-tokendance-sparse-writeback", "needs sparse write-back"),
     (TokenDanceArgs(), {"attention_backend": "tokendance"}, "--attention-backend", "--tokendance-storage mirror"),
     (TokenDanceArgs(disable_tokendance=True), {"prefill_attention_backend": "tokendance"},
      "--prefill-attention-backend", "--tokendance-storage mirror"),

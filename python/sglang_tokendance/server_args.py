@@ -262,6 +262,10 @@ def _check_storage(args: TokenDanceArgs, get: Callable[..., Any]) -> None:
     if not args.kv_enabled:
         raise TokenDanceArgsError("--tokendance-storage", "mirror storage is part of TokenDance's KV machinery, "
                                                           "which --disable-tokendance switches off")
+    if not args.sparse_writeback:
+        raise TokenDanceArgsError("--no-tokendance-sparse-writeback", "under mirror storage the tokens not "
+                                  "recomputed read the shared Master's slots, which the probe's KV must not "
+                                  "overwrite: mirror storage needs sparse write-back")
     for name, value in chosen.items():
         if value != ATTENTION_BACKEND:
             raise TokenDanceArgsError(flag(name), f"mirror storage keeps K un-rotated in the KV pool, which only "

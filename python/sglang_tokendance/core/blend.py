@@ -49,6 +49,7 @@ every K deviation alike).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Hashable, NamedTuple, Protocol, Sequence
@@ -138,13 +139,20 @@ class RequestRow:
     """One request of the batch: its `num_tokens` extend tokens follow `prefix_len` tokens
     already in its KV row `slots` ([prefix_len + num_tokens]); `reused` lists its runs of
     reused tokens (ReusedRun, or a plain (start, end) pair for a run from a segment's start);
-    `group` its round group (None: none), for group-aligned selection."""
+    `group` its round group (None: none), for group-aligned selection.
+
+    `own` (zero copy, Master-Mirror storage): the row's reused positions hold the cached
+    segments' slots themselves (Masters, shared with other readers, never written here), and
+    `own` the request's own slots for those positions, one per reused token in run order.
+    A reused token the selection keeps is computed into its own slot, and reads from there;
+    the others read the Master. None: the row's slots are the request's own everywhere."""
 
     prefix_len: int
     num_tokens: int
     slots: torch.Tensor
     reused: Sequence[ReusedRun | tuple[int, int]] = ()
     group: Hashable | None = None
+    own: torch.Tensor | None = None
 
 
 @dataclass
@@ -175,7 +183,8 @@ def blended_prefill(model: LayerwiseModel, kv: KVStore, ids: torch.Tensor, posit
     if _keeps_everything(options):  # no rule can change the outcome: a full prefill
         kept = torch.ones(batch.stats.reused_tokens, dtype=torch.bool, device=ids.device)
         stats = dataclasses.replace(batch.stats, kept=kept, kept_tokens=batch.stats.reused_tokens)
-        return _run_layers(model, kv, batch, model.embed(ids), torch.ones_like(batch.reused), 0, stats)
+        return _run_layers(model, kv, batch.with_own_slots(kept), model.embed(ids), torch.ones_like(batch.reused), 0,
+                           stats)
     checked = probe(model, kv, ids, positions, requests, rule, options, rope_on_read)
     return finish(model, kv, checked, select(checked, rule, options), options)
 
@@ -225,6 +234,9 @@ def probe(model: LayerwiseModel, kv: KVStore, ids: torch.Tensor, positions: torc
     if not 1 <= c < model.num_layers:
         raise ValueError(f"check layer must be in [1, {model.num_layers - 1}], got {c}")
     batch = _Batch(requests, positions, ids, rope_on_read, options)
+    if batch.own_locs is not None and not options.sparse_writeback:
+        raise ValueError("dense write-back would write the probe's KV into shared Master slots: "
+                         "zero-copy reuse needs sparse write-back")
     if batch.adopted.any():
         probed = ~batch.reused
         probed[batch.reused] = ~batch.adopted
@@ -262,10 +274,10 @@ def _probe_layers(model, kv, checked: Probe, layers: range, with_attention: bool
     batch.stats.token_layers += checked.rows.numel() * len(layers)
 
 
-def _write_probe_kv(kv, checked: Probe, which: torch.Tensor, layers: range) -> None:
+def _write_probe_kv(kv, checked: Probe, which: torch.Tensor, layers: range, batch: "_Batch") -> None:
     """The tracked reused tokens `which` (a mask over the tracked ones) get their recomputed
-    KV of `layers` into the store."""
-    locs = checked.batch.locs[checked.tracked_rows()[which]]
+    KV of `layers` into the store, at their slots in `batch`."""
+    locs = batch.locs[checked.tracked_rows()[which]]
     for layer in layers:
         kv.write(layer, locs, checked.state.computed_k[layer][which], checked.state.computed_v[layer][which])
 
@@ -275,7 +287,7 @@ def _drop_tracked(kv, checked: Probe, drop: torch.Tensor, sparse_writeback: bool
     their cached KV, or under dense write-back the probe's."""
     state = checked.state
     if not sparse_writeback:
-        _write_probe_kv(kv, checked, drop, range(len(state.cached_k)))
+        _write_probe_kv(kv, checked, drop, range(len(state.cached_k)), checked.batch)
     dropped_rows = checked.tracked_rows()[drop]
     keep = ~drop
     for arrays in (state.cached_k, state.cached_v, state.computed_k, state.computed_v):
@@ -308,10 +320,11 @@ def finish(model: LayerwiseModel, kv: KVStore, checked: Probe, kept: torch.Tenso
            options: BlendOptions) -> tuple[torch.Tensor, BlendStats]:
     """The kept tokens' probe KV written (under dense write-back every tracked token's), the
     kept adopted tokens (shared probe) caught up through layers 0..c over the KV as written,
-    then layers c+1..L-1 on the fresh and kept tokens. Leaves `checked` as it was."""
-    batch, c = checked.batch, checked.check_layer
+    then layers c+1..L-1 on the fresh and kept tokens (zero copy: the kept ones in their own
+    slots). Leaves `checked` as it was."""
+    batch, c = checked.batch.with_own_slots(kept), checked.check_layer
     written = kept if options.sparse_writeback else checked.tracked
-    _write_probe_kv(kv, checked, written[checked.tracked], range(c + 1))
+    _write_probe_kv(kv, checked, written[checked.tracked], range(c + 1), batch)
     computed = ~batch.reused
     computed[batch.reused] = kept
     rows, hidden = checked.rows, checked.hidden
@@ -357,7 +370,7 @@ def _layer(model, kv, stage: "_Stage", layer: int, hidden: torch.Tensor, mass: t
     q, k, v = model.qkv(layer, hidden, stage.rotary)
     rope_on_read = stage.rope_on_read
     if rope_on_read is not None:
-        k = rope_on_read.unrotate(k, stage.positions)
+        k = rope_on_read.unrotate(k, stage.positions, stage.longest)
     if stage.final is None:
         kv.write(layer, stage.locs, k, v)
     else:
@@ -380,6 +393,7 @@ class _Stage:
                  mass: bool = False):
         self.rope_on_read = batch.rope_on_read
         self.rows = rows
+        self.longest = max(row.numel() for row in batch.kv_rows)  # rows are longer than any of their positions
         self.locs = batch.locs[rows]
         self.positions = batch.positions[rows]
         self.rotary = model.rotary(self.positions)
@@ -423,6 +437,32 @@ class _Batch:
                 adopted[first + run.start:first + run.end] = adopt
         self.adopted = adopted[self.reused]  # a mask over the reused tokens: they skip the probe
         self.stats = BlendStats(reused_tokens=int(self.reused.sum()))
+        self.own_locs = self._own_locs()
+
+    def _own_locs(self) -> torch.Tensor | None:
+        """Each reused token's own slot (None: no request reads a Master in place); a request
+        without `own` owns the slots its row holds."""
+        if all(r.own is None for r in self.requests):
+            return None
+        reused_locs = self.locs[self.reused].split([sum(end - start for start, end, _ in runs) for runs in self.runs])
+        return torch.cat([mine if r.own is None else r.own.to(torch.int64)
+                          for r, mine in zip(self.requests, reused_locs)])
+
+    def with_own_slots(self, kept: torch.Tensor) -> "_Batch":
+        """This batch with the kept reused tokens (a mask over the reused ones) in their own
+        slots, in `locs` and in the KV rows attention reads; itself when no token moves."""
+        if self.own_locs is None or not bool(kept.any()):
+            return self
+        moved = copy.copy(self)
+        rows = self.reused.nonzero().squeeze(1)[kept]
+        moved.locs = self.locs.clone()
+        moved.locs[rows] = self.own_locs[kept]
+        moved.kv_rows = list(self.kv_rows)
+        for b in self.request[rows].unique().tolist():
+            mine = rows[self.request[rows] == b]
+            moved.kv_rows[b] = moved.kv_rows[b].clone()
+            moved.kv_rows[b][self.positions[mine]] = moved.locs[mine]
+        return moved
 
     def _share(self, options: BlendOptions):
         """Per run: its shared-segment tag for group-aligned selection, and whether it adopts

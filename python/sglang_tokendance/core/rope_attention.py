@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from sglang_tokendance.core.attention import Grid, attend, plan_grids
-from sglang_tokendance.core.rope import RopeSpec, cos_sin, unrotate
+from sglang_tokendance.core.rope import RopeSpec, attention_scaling, cos_sin
 
 
 class RopeOnRead:
@@ -43,7 +43,8 @@ class RopeOnRead:
         self._tables: dict[torch.device, tuple[torch.Tensor, ...]] = {}
 
     def _tables_for(self, length: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """(cos, sin [size, rotary_dim // 2], C, S [size, head_dim]), size >= length."""
+        """(cos, sin [size, rotary_dim // 2], C, S, and the inverse's C, S [size, head_dim]),
+        size >= length. The inverse divides out the attention factor (YaRN) on the rotated dims."""
         tables = self._tables.get(device)
         if tables is None or tables[0].shape[0] < length:
             size = max(length, 256 if tables is None else 2 * tables[0].shape[0])
@@ -52,23 +53,32 @@ class RopeOnRead:
             s = torch.zeros_like(c)
             c[:, self._first], c[:, self._second] = cos, cos
             s[:, self._first], s[:, self._second] = -sin, sin
-            tables = self._tables[device] = (cos, sin, c, s)
+            inverse = 1.0 / attention_scaling(self.spec) ** 2
+            c_inv, s_inv = c.clone(), -s * inverse
+            rotated = torch.cat((self._first, self._second))
+            c_inv[:, rotated] *= inverse
+            tables = self._tables[device] = (cos, sin, c, s, c_inv, s_inv)
         return tables
 
     def table(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 cos/sin [>= length, rotary_dim // 2] of positions 0.. (core/rope.cos_sin)."""
         return self._tables_for(length, device)[:2]
 
-    def unrotate(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """What the store keeps of K the model rotated at `positions` ([tokens, kv_heads, d])."""
-        return unrotate(k, positions, self.spec)
+    def unrotate(self, k: torch.Tensor, positions: torch.Tensor, longest: int) -> torch.Tensor:
+        """What the store keeps of K the model rotated at `positions` ([tokens, kv_heads, d]),
+        every position below `longest` (core/rope.unrotate, from the cached tables)."""
+        _, _, _, _, c, s = self._tables_for(longest, k.device)
+        return self._turn(k, c[positions, None], s[positions, None])
 
     def __call__(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """core/attention's KeyTransform: gathered rows k [B, Lk, kv_heads, d], key j at row
         position positions[j] (< Lk)."""
-        _, _, c, s = self._tables_for(k.shape[1], k.device)
+        _, _, c, s, _, _ = self._tables_for(k.shape[1], k.device)
+        return self._turn(k, c[positions, None], s[positions, None])
+
+    def _turn(self, k: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         kf = k.float()  # in place on the product: out-of-place addcmul broadcasts far slower on the CPU
-        return (kf * c[positions, None]).addcmul_(self._swap_pairs(kf), s[positions, None]).to(k.dtype)
+        return (kf * c).addcmul_(self._swap_pairs(kf), s).to(k.dtype)
 
     def _swap_pairs(self, k: torch.Tensor) -> torch.Tensor:
         """k with the two dims of every rotated pair exchanged (slices, not a gather: far faster on the CPU)."""

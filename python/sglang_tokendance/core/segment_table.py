@@ -5,8 +5,10 @@ The segment-hash forest keeps one entry per key, whatever context and offset the
 first computed at: the first copy is kept and later ones are only counted. An entry carries
 the fields SGLang's eviction strategies read off a radix-tree node (last access, creation
 time, hit count, priority), so the forest evicts segments and tree leaves in one order under
-any `--radix-eviction-policy`. Entries need no lock refs: a request uses an entry only while
-its KV is copied into the request's own slots, right after allocation, when nothing can evict.
+any `--radix-eviction-policy`. Under dense storage a request uses an entry only while its KV is
+copied into the request's own slots, right after allocation, when nothing can evict; under
+Master-Mirror storage live rows read an entry's slots in place and count as its `readers`,
+and an entry with readers is never evicted.
 
 Integrity: an entry also carries a cheap checksum (CRC-32) and the length of the token ids it
 was cached for, and a lookup names the ids the reader expects there. An entry that does not
@@ -39,6 +41,7 @@ class SegmentEntry:
     creation_time: float = field(default_factory=time.monotonic)
     hit_count: int = 0
     priority: int = 0  # SGLang's "priority" policy evicts low priorities first; segments take the default
+    readers: int = 0  # live rows reading the slots in place (Master-Mirror storage): not evictable meanwhile
 
     def __len__(self) -> int:
         return int(self.slots.numel())

@@ -4,21 +4,29 @@ Registered as the radix-cache backend "tokendance" (our launcher makes it the de
 Private prefixes behave exactly like SGLang's Python RadixCache: this class inherits it.
 Besides the tree it keeps a SegmentTable keyed by (cache namespace, content hash): when a
 request checkpoints (SGLang calls `checkpoint` after every prefill chunk and step), each of
-its shared segments whose exact KV is complete is copied, K un-rotated (core/rope), into
-slots of the same KV pool. Un-rotated K is one canonical form per hash, whatever context and
-offset the first copy came from: reuse at any position is a single `rotate` -- or none, under
-mirror storage, where the pool's K is un-rotated already (the copies ask the pool's K form,
-srt/kv_copy.PoolKeys). Segments never cross SGLang's cache namespace (extra_key,
-cache_salt), the same isolation as its tree.
-Segment slots count against the same KV budget and share one eviction order with the tree's
-leaves under `--radix-eviction-policy`; `/flush_cache` (reset) drops them with the tree.
+its shared segments whose exact KV is complete becomes a segment (a Master). Segments hold K
+un-rotated (core/rope): one canonical form per hash, whatever context and offset the first
+one came from, so reuse at any position is a single `rotate`, or none under mirror storage.
+Segments never cross SGLang's cache namespace (extra_key, cache_salt), the same isolation as
+its tree. They share one eviction order with the tree's leaves under `--radix-eviction-policy`;
+`/flush_cache` (reset) drops them with the tree.
 
-Reuse: after SGLang allocates a batch's slots (`restore_segments`, an AFTER hook on
-ScheduleBatch.prepare_for_extend), each request's chunk is planned (srt/reuse.py) and every
-planned run's cached KV is copied into the request's own slots, in one copy for the batch;
-the model forward (srt/forward_hook.py) then runs the blended prefill on the plans. A
-request's approximate KV never enters the tree, in any chunk: it publishes only the part
-before its first reused token, and caches only segments that end before it.
+Two storages (the pool's K form, srt/kv_copy.PoolKeys):
+* dense (SGLang's pool, K rotated): a segment is copied, K un-rotated, into new slots; reuse
+  copies it back into the reading request's own slots, rotated to its positions.
+* mirror (K un-rotated, srt/pool.RefCountedAllocator): zero copy. A segment takes a
+  reference on the request's own (or the tree's) slots; a reading row points its reused
+  positions at the Master's slots, taking a reference on each and pinning the Master (not
+  evictable while a live row reads it), and keeps the slots SGLang allocated there aside.
+  After the blended prefill (`settle`) a reused token it recomputed takes its own slot back
+  (the Mirror's diff); the others' own slots are freed. Each owner frees its own reference.
+
+Reuse happens after SGLang allocates a batch's slots (`restore_segments`, an AFTER hook on
+ScheduleBatch.prepare_for_extend): each request's chunk is planned (srt/reuse.py) and its
+reused positions restored as above; the model forward (srt/forward_hook.py) then runs the
+blended prefill on the plans. A request's approximate KV never enters the tree, in any chunk:
+it publishes only the part before its first reused token, and caches only segments that end
+before it.
 
 Output registration: srt/output_registration.py. Metrics: srt/metrics.py.
 """
@@ -29,7 +37,7 @@ import heapq
 import itertools
 import logging
 import time
-from typing import Hashable
+from typing import Callable, Hashable
 
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult
@@ -45,9 +53,10 @@ from sglang_tokendance.served_model import model_salt_from_env
 from sglang_tokendance.server_args import TokenDanceArgs
 from sglang_tokendance.srt import policy
 from sglang_tokendance.srt.kv_copy import PoolKeys, bytes_per_token, copy_kv
-from sglang_tokendance.srt.metrics import NO_METRICS, ForestMetrics, PrometheusForestMetrics
+from sglang_tokendance.srt.metrics import NO_METRICS, ForestMetrics, PrometheusForestMetrics, StorageCounts
 from sglang_tokendance.srt.model import SUPPORTED_ARCHITECTURES
 from sglang_tokendance.srt.output_registration import output_kv_tokens, output_segment_ids
+from sglang_tokendance.srt.pool import RefCountedAllocator
 from sglang_tokendance.srt.reuse import ChunkPlan, RequestReuse, is_lora, may_reuse
 
 logger = logging.getLogger(__name__)
@@ -70,11 +79,17 @@ class SegmentForest(RadixCache):
         super().__init__(params)
         if self.page_size != 1:
             raise ValueError(f"the tokendance radix cache needs --page-size 1, got {self.page_size}")
+        # Master-Mirror storage: K un-rotated in the pool, so rows read Masters' slots in place
+        self.zero_copy = keys is not None and not keys.rotated
+        if self.zero_copy and not isinstance(self.token_to_kv_pool_allocator, RefCountedAllocator):
+            raise ValueError("mirror storage needs the reference-counted KV allocator (srt/pool.py), "
+                             f"got {type(self.token_to_kv_pool_allocator).__name__}")
 
     def init_metrics_collector(self) -> None:
         """SGLang calls this under --enable-metrics: our series take the cache's labels."""
         super().init_metrics_collector()
-        self.metrics = PrometheusForestMetrics(self.metrics_collector.labels, self.segments, self.bytes_per_token())
+        self.metrics = PrometheusForestMetrics(self.metrics_collector.labels, self.segments, self.bytes_per_token(),
+                                               self.storage_counts)
 
     @property
     def caches_segments(self) -> bool:
@@ -84,9 +99,11 @@ class SegmentForest(RadixCache):
 
     def reset(self) -> None:
         super().reset()
+        for plan in self.planned.values():
+            self._revert(plan)
         self.planned.clear()
         for slots in self.segments.clear():
-            self.token_to_kv_pool_allocator.free(slots)
+            self._drop_master(slots)
         self.metrics.update_held()
 
     def checkpoint(self, req, *, up_to: int) -> None:
@@ -94,19 +111,30 @@ class SegmentForest(RadixCache):
         if state is None:
             super().checkpoint(req, up_to=up_to)
             return
-        if req.finished() and state.register_output:
-            self.register_output(req, state)  # before anything can free the output's slots
         exact = min(up_to, state.first_reused)  # reused KV is approximate: keep it out
-        super().checkpoint(req, up_to=exact)
+        super().checkpoint(req, up_to=exact)  # the row now points at the tree's slots up to `exact`
         self.insert_segments(req, state, exact)
+        if req.finished() and state.register_output:
+            self.register_output(req, state)  # before SGLang releases the output's slots
         self.metrics.update_held()
 
     def on_release(self, req, *, checkpointed: bool) -> None:
         """SGLang released the request (finished, aborted or retracted): drop its state."""
         super().on_release(req, checkpointed=checkpointed)
         state = self.requests.pop(req, None)
-        if state is not None:
-            self.planned = {i: p for i, p in self.planned.items() if p.request is not state}
+        if state is None:
+            return
+        for plan in [p for p in self.planned.values() if p.request is state]:
+            del self.planned[plan.pool_index]
+            if plan.own is not None:  # SGLang freed the row (the Master references in it) but not these
+                self.token_to_kv_pool_allocator.free(plan.own)
+        for masters in state.read_slots.values():  # their references went with the row
+            self.token_to_kv_pool_allocator.refs.unread(masters)
+        state.read_slots.clear()
+        for entry in state.reading:
+            self._unpin(entry)
+        state.reading.clear()
+        self.metrics.update_held()
 
     def insert_segments(self, req, state: RequestReuse, up_to: int) -> None:
         """Cache the request's shared segments whose exact KV is complete (end <= up_to)."""
@@ -129,13 +157,21 @@ class SegmentForest(RadixCache):
                             output_kv_tokens(req, len(ids)))
 
     def _cache_segment(self, key, ids, row: torch.Tensor, start: int, length: int) -> None:
-        """Copy row positions [start, start + length) -- the KV of `ids` -- into new segment
-        slots under `key`. A duplicate is only counted. A full pool makes room the way a tree
-        insert would find it: by evicting what the eviction policy ranks first (never a live
-        request's KV: its prefix is locked and its own slots are not evictable); when even
-        that is not enough, the segment is not cached."""
+        """Row positions [start, start + length) -- the KV of `ids`, exact -- become the
+        segment (Master) under `key`. Mirror storage: the Master takes a reference on those
+        slots themselves (the tree or the request keeps its own). Dense storage: they are copied
+        into new slots; a full pool makes room the way a tree insert would find it: by evicting
+        what the eviction policy ranks first (never a live request's KV: its prefix is locked
+        and its own slots are not evictable); when even that is not enough, the segment is not
+        cached. A duplicate is only counted."""
         if key in self.segments:
             self.segments.count_duplicate(key)
+            return
+        if self.zero_copy:
+            if length > 0:
+                slots = row[start:start + length].to(torch.int64, copy=True)
+                self.token_to_kv_pool_allocator.hold(slots)
+                self.segments.insert(key, slots, ids)
             return
         allocator = self.token_to_kv_pool_allocator
         if 0 < length and allocator.available_size() < length:
@@ -150,9 +186,14 @@ class SegmentForest(RadixCache):
     # --- reuse ------------------------------------------------------------------------------
 
     def restore_segments(self, batch) -> None:
-        """Plan every request's chunk and write its cached segments' KV into its own slots, in
-        the pool's K form: one copy for the whole batch. Plans of a forward that never ran are
-        dropped here."""
+        """Plan every request's chunk and give its reused positions their segments' KV.
+        Mirror storage (zero copy): the row points those positions at the Masters' slots,
+        taking a reference on each, and the slots SGLang allocated there wait in the plan for
+        the forward (`settle`). Dense storage: the KV is copied into the request's own slots,
+        rotated to its positions, one copy for the whole batch. Plans of a forward that never
+        ran are undone here."""
+        for plan in self.planned.values():
+            self._revert(plan)
         self.planned.clear()
         if not self.caches_segments:
             return
@@ -165,14 +206,85 @@ class SegmentForest(RadixCache):
             self.metrics.count_restore(plan.hits, plan.misses)
             if not plan.runs:
                 continue
-            self.planned[req.kv.req_pool_idx] = plan
-            row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
-            for run in plan.runs:
-                src.append(run.entry.slots[run.segment_offset:run.segment_offset + run.end - run.start])
-                dst.append(row[run.start:run.end].to(torch.int64))
-                positions.append(torch.arange(run.start, run.end, device=row.device))
+            plan.pool_index = req.kv.req_pool_idx
+            self.planned[plan.pool_index] = plan
+            row = self.req_to_token_pool.req_to_token[plan.pool_index]
+            masters = [run.entry.slots[run.segment_offset:run.segment_offset + run.end - run.start]
+                       for run in plan.runs]
+            if self.zero_copy:
+                self._point_at_masters(plan, row, torch.cat(masters))
+                continue
+            src += masters
+            dst += [row[run.start:run.end].to(torch.int64) for run in plan.runs]
+            positions.append(plan.positions(row.device))
         if src:
             copy_kv(self.pool, torch.cat(src), torch.cat(dst), torch.cat(positions), self.keys.pooled)
+
+    def _point_at_masters(self, plan: ChunkPlan, row: torch.Tensor, masters: torch.Tensor) -> None:
+        """The row's reused positions read the Masters' slots in place (one reference each,
+        every Master pinned); the slots SGLang allocated there are kept aside in the plan."""
+        where = plan.positions(row.device)
+        plan.own = row[where].to(torch.int64)
+        row[where] = masters.to(row.dtype)
+        self.token_to_kv_pool_allocator.read(masters)
+        plan.request.read_slots[plan.prefix_len] = masters
+        for run in plan.runs:
+            self._pin(run.entry)
+            plan.request.reading.append(run.entry)
+
+    def settle(self, plan: ChunkPlan, kept: torch.Tensor | None) -> None:
+        """After the blended prefill (zero copy): the reused tokens it kept (`kept`, a mask
+        over the plan's reused tokens; None: none) were computed into their own slots, which
+        the row takes back; the others keep reading the Master, and their own slots are freed.
+        A Master none of whose tokens the row still reads is unpinned."""
+        own, plan.own = plan.own, None
+        if own is None:
+            return
+        allocator = self.token_to_kv_pool_allocator
+        if kept is None or not bool(kept.any()):
+            allocator.free(own)
+            return
+        row = self.req_to_token_pool.req_to_token[plan.pool_index]
+        where = plan.positions(row.device)[kept]
+        row[where] = own[kept].to(row.dtype)
+        masters = plan.request.read_slots[plan.prefix_len]
+        allocator.unread(masters[kept])  # the row's references
+        plan.request.read_slots[plan.prefix_len] = masters[~kept]
+        allocator.free(own[~kept])
+        for run, part in zip(plan.runs, kept.split([run.end - run.start for run in plan.runs])):
+            if bool(part.all()):
+                self._stop_reading(plan.request, run.entry)
+
+    def _revert(self, plan: ChunkPlan) -> None:
+        """Undo `_point_at_masters` before a forward that computes every token itself (or none
+        ran): each reused position gets its own slot back and drops its Master reference."""
+        own, plan.own = plan.own, None
+        if own is None:
+            return
+        row = self.req_to_token_pool.req_to_token[plan.pool_index]
+        row[plan.positions(row.device)] = own.to(row.dtype)
+        self.token_to_kv_pool_allocator.unread(plan.request.read_slots.pop(plan.prefix_len))
+        for run in plan.runs:
+            self._stop_reading(plan.request, run.entry)
+
+    def _pin(self, entry: SegmentEntry) -> None:
+        entry.readers += 1
+        self.token_to_kv_pool_allocator.refs.pin(entry.slots)
+
+    def _unpin(self, entry: SegmentEntry) -> None:
+        entry.readers -= 1
+        self.token_to_kv_pool_allocator.refs.unpin(entry.slots)
+
+    def _stop_reading(self, state: RequestReuse, entry: SegmentEntry) -> None:
+        state.reading.remove(entry)
+        self._unpin(entry)
+
+    def _drop_master(self, slots: torch.Tensor) -> None:
+        """A removed segment's slots: its references dropped (mirror), or freed (dense)."""
+        if self.zero_copy:
+            self.token_to_kv_pool_allocator.unhold(slots)
+        else:
+            self.token_to_kv_pool_allocator.free(slots)
 
     def _state_of(self, req) -> RequestReuse | None:
         state = self.requests.get(req)
@@ -196,17 +308,27 @@ class SegmentForest(RadixCache):
             if plan is not None and (plan.prefix_len, plan.extend_len) != (prefix, extend):
                 logger.warning("TokenDance plan for [%d, +%d) met a chunk [%d, +%d); computing it in full",
                                plan.prefix_len, plan.extend_len, prefix, extend)
-                plan.request.record_recomputed(plan, plan.reused_tokens)
+                self.compute_in_full(plan)
                 plan = None
             plans.append(plan)
+        for plan in self.planned.values():  # not in this forward (never expected)
+            self._revert(plan)
         self.planned.clear()
         return plans if any(plans) else None
 
+    def compute_in_full(self, plan: ChunkPlan) -> None:
+        """SGLang's forward computes the plan's reused tokens, each into its own slot."""
+        self._revert(plan)
+        self.record_recomputed(plan, plan.reused_tokens)
+
     def record_recomputed(self, plan: ChunkPlan, recomputed: int, adopted: int = 0) -> None:
-        """After the forward: `recomputed` of the plan's restored tokens were computed again,
-        `adopted` of them skipped the probe."""
-        plan.request.record_recomputed(plan, recomputed, adopted)
-        self.metrics.count_reuse(plan.reused_tokens - recomputed, recomputed)
+        """After the forward: `recomputed` of the plan's restored tokens were computed again
+        (under zero copy, after `settle`: only those hold own slots), `adopted` of them skipped
+        the probe."""
+        own = recomputed if self.zero_copy else plan.reused_tokens
+        plan.request.record_recomputed(plan, recomputed, own, adopted)
+        self.metrics.count_reuse(plan.reused_tokens - recomputed, recomputed, own)
+        self.metrics.update_held()
 
     # --- one eviction order over tree leaves and segments -----------------------------------
 
@@ -220,17 +342,16 @@ class SegmentForest(RadixCache):
         order = itertools.count()  # ties never compare nodes
         priority = self.eviction_strategy.get_priority
         heap = [(priority(n), next(order), n) for n in self.evictable_leaves]
-        heap += [(priority(e), next(order), e) for e in self.segments.entries.values()]
+        heap += [(priority(e), next(order), e) for e in self.segments.entries.values() if not e.readers]
         heapq.heapify(heap)
         evicted = 0
         while evicted < params.num_tokens and heap:
             _, _, item = heapq.heappop(heap)
             if isinstance(item, SegmentEntry):
-                evicted += len(item)
-                self.token_to_kv_pool_allocator.free(self.segments.remove(item))
+                evicted += self._freed_by(lambda: self._drop_master(self.segments.remove(item)), len(item))
                 continue
-            self.token_to_kv_pool_allocator.free_segment(item.value, start_pos=0)
-            evicted += len(item.value)
+            evicted += self._freed_by(lambda: self.token_to_kv_pool_allocator.free_segment(item.value, start_pos=0),
+                                      len(item.value))
             self._delete_leaf(item)
             if len(item.parent.children) == 0 and item.parent.lock_ref == 0:
                 heapq.heappush(heap, (priority(item.parent), next(order), item.parent))
@@ -239,8 +360,51 @@ class SegmentForest(RadixCache):
         self.metrics.update_held()
         return EvictResult(num_tokens_evicted=evicted)
 
+    def _freed_by(self, release: Callable[[], None], tokens: int) -> int:
+        """Slots that `release` (dropping an evicted item's `tokens` references) frees: all of
+        them under dense storage; under mirror storage a slot another owner holds stays."""
+        if not self.zero_copy:
+            release()
+            return tokens
+        before = self.token_to_kv_pool_allocator.available_size()
+        release()
+        return self.token_to_kv_pool_allocator.available_size() - before
+
     def evictable_size(self) -> int:
-        return super().evictable_size() + self.segments.tokens
+        """Slots eviction can free, each once: the tree's unlocked ones and the segments'.
+        Mirror storage: a segment's slots no other owner holds, of a Master no live row reads;
+        the tree's slots that a read or pinned Master keeps are not counted (`protected_size`
+        counts them), so SGLang never admits a prefill on slots eviction cannot free."""
+        return super().evictable_size() - self._tree_slots_kept() + self._segment_only_tokens(evictable=True)
+
+    def _tree_slots_kept(self) -> int:
+        """The tree's unlocked slots that live readers of Masters keep from eviction (at most;
+        those of locked nodes are among them when a reader's row also holds its tree prefix)."""
+        if not self.zero_copy:
+            return 0
+        return min(super().evictable_size(), self.token_to_kv_pool_allocator.refs.tree_slots_kept_by_readers())
+
+    def protected_size(self) -> int:
+        """The tree's locked tokens. Under mirror storage SGLang's pool check (available +
+        evictable + protected + every live row position past its tree prefix == total,
+        run while busy under SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY) counts a row position
+        that reads a Master as the request's own slot, once per reader: this adds the
+        Masters' slots eviction cannot free and the own slots a plan keeps aside, and takes
+        those row positions off, so every slot is counted once. At quiescence it is the tree's."""
+        protected = super().protected_size()
+        if not self.zero_copy:
+            return protected
+        refs = self.token_to_kv_pool_allocator.refs
+        aside = sum(plan.own.numel() for plan in self.planned.values() if plan.own is not None)
+        return (protected + self._tree_slots_kept() + refs.masters_off_tree_slots() - refs.evictable_master_slots()
+                + aside - refs.read_slots())
+
+    def _segment_only_tokens(self, evictable: bool = False) -> int:
+        """Slots held by segments alone (dense storage: all of theirs)."""
+        if not self.zero_copy:
+            return self.segments.tokens
+        refs = self.token_to_kv_pool_allocator.refs
+        return refs.evictable_master_slots() if evictable else refs.master_only_slots()
 
     @property
     def pool(self):
@@ -254,9 +418,18 @@ class SegmentForest(RadixCache):
         belongs to the tree or to a segment (no leak)."""
         allocator = self.token_to_kv_pool_allocator
         return {**self.segments.stats(self.bytes_per_token()),
-                "tree_evictable_tokens": super().evictable_size(), "tree_protected_tokens": self.protected_size(),
+                "tree_evictable_tokens": super().evictable_size(), "tree_protected_tokens": super().protected_size(),
                 "pool_tokens": allocator.size, "free_tokens": allocator.available_size(),
-                "live_requests": len(self.requests)}
+                "live_requests": len(self.requests), **self.storage_counts()._asdict(),
+                "segment_only_tokens": self._segment_only_tokens(),
+                "pinned_segments": sum(1 for e in self.segments.entries.values() if e.readers)}
+
+    def storage_counts(self) -> StorageCounts:
+        """Masters, live Mirror diffs and row references now (O(pool) under mirror storage)."""
+        live = self.requests.values()
+        masters = self.token_to_kv_pool_allocator.refs.master_slots() if self.zero_copy else self.segments.tokens
+        return StorageCounts(masters, sum(s.counts.mirror_diff_tokens for s in live),
+                             sum(s.shared_tokens for s in live))
 
 
 ACTIVE: SegmentForest | None = None  # the scheduler process's forest, for the model forward

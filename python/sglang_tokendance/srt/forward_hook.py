@@ -3,10 +3,13 @@
 An AROUND hook on the decoder forwards of srt/model.py: such a batch runs core/blend's
 blended prefill on the requests' chunk plans (srt/reuse.py); every other batch runs SGLang's
 own forward. The blended prefill reads and writes K in the pool's form (the forest's
-`PoolKeys`: under mirror storage un-rotated, and rotated on read). A batch the blended
-prefill cannot serve (input embeddings, captured hidden states) runs SGLang's forward too: it
-computes every token over the restored slots, so the plans' reused tokens are counted as
-recomputed.
+`PoolKeys`: under mirror storage un-rotated, and rotated on read). Under mirror storage the
+rows read the Masters' slots in place and carry the request's own slots for the reused
+positions (`RequestRow.own`); after the forward the forest settles them (kept tokens keep
+their own slots, the others' are freed). A batch the blended prefill cannot serve (input
+embeddings, captured hidden states) runs SGLang's forward too: every reused position gets
+its own slot back and SGLang computes every token, so the plans' reused tokens are counted
+as recomputed.
 """
 
 from __future__ import annotations
@@ -27,14 +30,15 @@ def model_forward(original, model, input_ids, positions, forward_batch, *args, *
         return original(model, input_ids, positions, forward_batch, *args, **kwargs)
     if not blendable(forward_batch):
         for plan in filter(None, plans):
-            active.record_recomputed(plan, plan.reused_tokens)
+            active.compute_in_full(plan)
         return original(model, input_ids, positions, forward_batch, *args, **kwargs)
     from sglang.srt.model_executor.forward_context import get_token_to_kv_pool
 
     req_to_token = active.req_to_token_pool.req_to_token
     rows = [RequestRow(prefix, extend, req_to_token[pool_index, :prefix + extend],
                        reused=plan.extend_runs() if plan is not None else (),
-                       group=plan.group if plan is not None else None)
+                       group=plan.group if plan is not None else None,
+                       own=plan.own if plan is not None else None)
             for plan, prefix, extend, pool_index in zip(plans, forward_batch.extend_prefix_lens_cpu,
                                                         forward_batch.extend_seq_lens_cpu,
                                                         forward_batch.req_pool_indices_cpu.tolist())]
@@ -43,13 +47,15 @@ def model_forward(original, model, input_ids, positions, forward_batch, *args, *
                                     active.blend, active.rule, active.keys.rope_on_read)
     reusing = [plan for plan in plans if plan is not None]
     if stats.kept is None:  # ratio 0: nothing recomputed
-        counts = [(0, 0)] * len(reusing)
+        masks, counts = [None] * len(reusing), [(0, 0)] * len(reusing)
     else:  # masks over the batch's reused tokens in batch order; one host sync for the batch
         sizes = [p.reused_tokens for p in reusing]
+        masks = stats.kept.split(sizes)
         adopted = stats.adopted if stats.adopted is not None else torch.zeros_like(stats.kept)
         counts = torch.stack([torch.stack([kept.sum(), took.sum()])
-                              for kept, took in zip(stats.kept.split(sizes), adopted.split(sizes))]).tolist()
-    for plan, (recomputed, adopted_tokens) in zip(reusing, counts):
+                              for kept, took in zip(masks, adopted.split(sizes))]).tolist()
+    for plan, mask, (recomputed, adopted_tokens) in zip(reusing, masks, counts):
+        active.settle(plan, mask)
         active.record_recomputed(plan, recomputed, adopted_tokens)
     return hidden
 

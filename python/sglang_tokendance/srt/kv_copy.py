@@ -33,13 +33,15 @@ class PoolKeys:
     rope: RopeSpec
     rotated: bool = True
 
-    def unrotated(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """K read from the pool at `positions`, un-rotated (a segment's form)."""
-        return unrotate(k, positions, self.rope) if self.rotated else k
+    @property
+    def unrotated(self) -> KTransform | None:
+        """K read from the pool at some positions, un-rotated (a segment's form); None: as it is."""
+        return (lambda k, positions: unrotate(k, positions, self.rope)) if self.rotated else None
 
-    def pooled(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Un-rotated K as the pool holds it at `positions`."""
-        return rotate(k, positions, self.rope) if self.rotated else k
+    @property
+    def pooled(self) -> KTransform | None:
+        """Un-rotated K as the pool holds it at some positions; None: as it is."""
+        return (lambda k, positions: rotate(k, positions, self.rope)) if self.rotated else None
 
     @cached_property
     def rope_on_read(self) -> RopeOnRead | None:
@@ -48,16 +50,18 @@ class PoolKeys:
         return None if self.rotated else RopeOnRead(self.rope)
 
 
-def copy_kv(pool, src: torch.Tensor, dst: torch.Tensor, positions: torch.Tensor, k_transform: KTransform) -> None:
+def copy_kv(pool, src: torch.Tensor, dst: torch.Tensor, positions: torch.Tensor,
+            k_transform: KTransform | None) -> None:
     """Copy every layer's K and V from slots `src` to slots `dst` (int64, same length); K
-    passes through `k_transform(k, positions)` (a `PoolKeys` direction)."""
+    passes through `k_transform(k, positions)` (a `PoolKeys` direction; None: K as it is)."""
     if src.numel() == 0:
         return
     layers = range(pool.start_layer, pool.start_layer + pool.layer_num)
-    keys = k_transform(torch.stack([pool.get_key_buffer(layer)[src] for layer in layers], dim=1), positions)
+    keys = None if k_transform is None else \
+        k_transform(torch.stack([pool.get_key_buffer(layer)[src] for layer in layers], dim=1), positions)
     for i, layer in enumerate(layers):  # keys: [tokens, layers, kv_heads, head_dim]
         k, v = pool.get_key_buffer(layer), pool.get_value_buffer(layer)
-        k[dst] = keys[:, i].to(k.dtype)
+        k[dst] = k[src] if keys is None else keys[:, i].to(k.dtype)
         v[dst] = v[src]
 
 

@@ -12,10 +12,18 @@ policy (srt/policy.py) builds its series the same way, with the scheduler collec
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 from sglang_tokendance.core.collective import RoundRecord
 from sglang_tokendance.core.segment_table import SegmentTable
+
+
+class StorageCounts(NamedTuple):
+    """Master-Mirror storage at one moment (srt/forest `storage_counts`)."""
+
+    master_tokens: int  # slots held by segments (each once; under mirror storage shared with the tree)
+    mirror_diff_tokens: int  # own slots of live reusing requests at their reused positions
+    row_references: int  # live rows' positions that read a Master's slot in place
 
 
 class ForestMetrics:
@@ -24,22 +32,24 @@ class ForestMetrics:
     def count_restore(self, hits: int, misses: int) -> None:
         """One request's segment lookups after its radix prefix (srt/forest `_restore_one`)."""
 
-    def count_reuse(self, reused_tokens: int, recomputed_tokens: int) -> None:
-        """One request's restored tokens after its blended prefill: kept as cached, or recomputed."""
+    def count_reuse(self, reused_tokens: int, recomputed_tokens: int, own_tokens: int) -> None:
+        """One request's restored tokens after its blended prefill: kept as cached, or
+        recomputed; `own_tokens` of them hold the request's own slots (its Mirror diff)."""
 
     def update_held(self) -> None:
-        """Segment nodes were inserted or removed: refresh the bytes they hold."""
+        """Segments or live rows changed: refresh the bytes and slots they hold."""
 
 
 NO_METRICS = ForestMetrics()
 
 
 class PrometheusForestMetrics(ForestMetrics):
-    def __init__(self, labels: dict[str, Any], segments: SegmentTable, bytes_per_token: int) -> None:
-        from prometheus_client import Gauge
+    def __init__(self, labels: dict[str, Any], segments: SegmentTable, bytes_per_token: int,
+                 storage: Callable[[], StorageCounts]) -> None:
 
         self.segments = segments
         self.bytes_per_token = bytes_per_token
+        self.storage = storage
         self.hits = labelled_counter("sglang:tokendance_segment_hits_total",
                                      "Cached segments found after a request's radix prefix and reused.", labels)
         self.misses = labelled_counter("sglang:tokendance_segment_misses_total",
@@ -50,26 +60,49 @@ class PrometheusForestMetrics(ForestMetrics):
         self.recomputed_tokens = labelled_counter(
             "sglang:tokendance_recomputed_tokens_total",
             "Restored prompt tokens that selective recompute computed again.", labels)
-        self.held_bytes = Gauge(name="sglang:tokendance_segment_bytes",
-                                documentation="KV bytes held by segment nodes (all layers, K and V).",
-                                labelnames=list(labels), multiprocess_mode="mostrecent").labels(**labels)
+        self.own_tokens = labelled_counter(
+            "sglang:tokendance_diff_tokens_total",
+            "Restored prompt tokens held in the request's own slots (its Mirror diff: the recomputed ones under "
+            "mirror storage, all under dense storage); restored tokens per diff token is the compression.", labels)
+        self.held_bytes = labelled_gauge("sglang:tokendance_segment_bytes",
+                                         "KV bytes held by segment nodes (all layers, K and V).", labels)
+        self.master_tokens = labelled_gauge("sglang:tokendance_master_tokens",
+                                            "KV slots held by segments (Masters), each once.", labels)
+        self.mirror_diff_tokens = labelled_gauge(
+            "sglang:tokendance_mirror_diff_tokens",
+            "Own KV slots of live reusing requests at their reused positions.", labels)
+        self.row_references = labelled_gauge(
+            "sglang:tokendance_row_references",
+            "Positions of live requests' rows that read a Master's slot in place (mirror storage).", labels)
 
     def count_restore(self, hits: int, misses: int) -> None:
         self.hits.inc(hits)
         self.misses.inc(misses)
 
-    def count_reuse(self, reused_tokens: int, recomputed_tokens: int) -> None:
+    def count_reuse(self, reused_tokens: int, recomputed_tokens: int, own_tokens: int) -> None:
         self.reused_tokens.inc(reused_tokens)
         self.recomputed_tokens.inc(recomputed_tokens)
+        self.own_tokens.inc(own_tokens)
 
     def update_held(self) -> None:
         self.held_bytes.set(self.segments.tokens * self.bytes_per_token)
+        storage = self.storage()
+        self.master_tokens.set(storage.master_tokens)
+        self.mirror_diff_tokens.set(storage.mirror_diff_tokens)
+        self.row_references.set(storage.row_references)
 
 
 def labelled_counter(name: str, documentation: str, labels: dict[str, Any]):
     from prometheus_client import Counter
 
     return Counter(name=name, documentation=documentation, labelnames=list(labels)).labels(**labels)
+
+
+def labelled_gauge(name: str, documentation: str, labels: dict[str, Any]):
+    from prometheus_client import Gauge
+
+    return Gauge(name=name, documentation=documentation, labelnames=list(labels),
+                 multiprocess_mode="mostrecent").labels(**labels)
 
 
 class RoundMetrics:

@@ -2,8 +2,9 @@
 
 In an All-Gather round the next round's shared blocks are exactly this round's outputs, and
 their KV already exists in each author's context. A request sent with
-`"tokendance": {"register_output": true}` has its output's KV copied (K un-rotated) into a
-segment when it finishes, before SGLang frees its slots.
+`"tokendance": {"register_output": true}` has its output's KV cached as a segment when it
+finishes, before SGLang frees its slots: copied (K un-rotated) under dense storage, its own
+slots referenced under mirror storage (zero copy).
 
 No tokenizer runs in the scheduler: the segment is keyed by the hash of the generated ids
 themselves (the stop token dropped: it is not in the text a client gets back). The next

@@ -21,6 +21,11 @@ def register() -> None:
 
     prompt_interface.register(args)  # the interface stays on under --disable-tokendance
     _register_forest()
+    if args.mirror_storage:
+        from sglang_tokendance.srt import pool
+
+        HookRegistry.register("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator."
+                              "_build_token_to_kv_pool_allocator", pool.install_allocator, HookType.AFTER)
     _register_attention()
     if args.kv_enabled:  # stock SGLang's scheduling under --disable-tokendance
         from sglang_tokendance.srt import policy

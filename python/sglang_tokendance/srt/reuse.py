@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Hashable
 
+import torch
 from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
 
 from sglang_tokendance.core.blend import ReusedRun
@@ -36,6 +37,12 @@ class ReuseCounts:
     segment_hits: int = 0
     segment_misses: int = 0
     adopted_tokens: int = 0  # restored tokens that skipped the probe, taking their round group's choice
+    mirror_diff_tokens: int = 0  # own slots at reused positions: recomputed ones (mirror), all (dense)
+
+    def compression(self) -> float | None:
+        """Reused positions per own slot among them (1.0: a dense copy; None: no own slot)."""
+        positions = self.reused_tokens + self.recomputed_tokens
+        return positions / self.mirror_diff_tokens if self.mirror_diff_tokens else None
 
 
 @dataclass
@@ -61,10 +68,16 @@ class ChunkPlan:
     hits: int = 0
     misses: int = 0
     group: Hashable | None = None
+    pool_index: int = -1  # the request's row in SGLang's req_to_token
+    own: torch.Tensor | None = None  # zero copy: the own slots of the reused positions, until settled
 
     @property
     def reused_tokens(self) -> int:
         return sum(run.end - run.start for run in self.runs)
+
+    def positions(self, device: torch.device) -> torch.Tensor:
+        """The reused row positions, in run order."""
+        return torch.cat([torch.arange(run.start, run.end, device=device) for run in self.runs])
 
     def extend_runs(self) -> list[ReusedRun]:
         """The runs relative to the chunk's first token, as core/blend takes them."""
@@ -82,6 +95,13 @@ class RequestReuse:
     first_reused: int = NOT_REUSED
     counts: ReuseCounts = field(default_factory=ReuseCounts)
     uninserted: list[SegmentSpan] = field(default_factory=list)  # spans not yet cached
+    reading: list[SegmentEntry] = field(default_factory=list)  # Masters the row reads in place (pinned)
+    read_slots: dict[int, torch.Tensor] = field(default_factory=dict)  # chunk start -> Master slots its row reads
+
+    @property
+    def shared_tokens(self) -> int:
+        """Row positions that read a Master's slot in place."""
+        return sum(slots.numel() for slots in self.read_slots.values())
     _looked_up: set[int] = field(default_factory=set)  # spans counted as a hit or a miss
 
     @classmethod
@@ -128,12 +148,14 @@ class RequestReuse:
         self.publish()
         return plan
 
-    def record_recomputed(self, plan: ChunkPlan, recomputed: int, adopted: int = 0) -> None:
+    def record_recomputed(self, plan: ChunkPlan, recomputed: int, own: int, adopted: int = 0) -> None:
         """After the forward: `recomputed` of the plan's restored tokens were computed again;
+        `own` of its reused positions hold the request's own slots (the rest read Masters);
         `adopted` of them skipped the probe (shared probe)."""
         self.counts.reused_tokens -= recomputed
         self.counts.recomputed_tokens += recomputed
         self.counts.computed_tokens += recomputed
+        self.counts.mirror_diff_tokens += own
         self.counts.adopted_tokens += adopted
         self.publish()
 
@@ -141,8 +163,8 @@ class RequestReuse:
         """The counts so far reach meta_info["tokendance"] through SGLang's per-request
         customized_info (sent once, when the request's first output or its end is streamed)."""
         if self.can_reuse:
-            self.req.customized_info = {**(self.req.customized_info or {}),
-                                        REUSE_INFO_KEY: [asdict(self.counts)]}
+            info = {**asdict(self.counts), "mirror_compression": self.counts.compression()}
+            self.req.customized_info = {**(self.req.customized_info or {}), REUSE_INFO_KEY: [info]}
 
 
 def namespace_of(req) -> Hashable:

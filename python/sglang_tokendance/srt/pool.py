@@ -1,0 +1,78 @@
+"""SGLang's token-to-KV-pool allocator with reference-counted slots (mirror storage).
+
+Under `--tokendance-storage mirror` a KV slot can have several owners (core/slot_refs): the
+radix tree, the segment table's Masters, and every live request row that reads a Master in
+place. SGLang frees a request's row, a tree leaf or a duplicate through `free`; here `free`
+drops one reference per slot and a slot returns to the free list when its last reference
+goes. With one owner per slot (all SGLang does by itself) this is SGLang's allocator.
+
+Installed by an AFTER hook on `KVCacheConfigurator._build_token_to_kv_pool_allocator`, only
+under mirror storage, and only where SGLang built its plain page-size-1 allocator: the hook
+builds this subclass with the same arguments instead (dense storage keeps SGLang's own).
+"""
+
+from __future__ import annotations
+
+import torch
+from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+
+from sglang_tokendance.core.slot_refs import SlotRefs
+
+
+class RefCountedAllocator(TokenToKVPoolAllocator):
+    """A slot is free when its last owner frees it."""
+
+    refs: SlotRefs
+
+    def clear(self) -> None:
+        super().clear()
+        self.refs = SlotRefs(self.size, self.device)
+
+    def alloc(self, need_size: int):
+        slots = super().alloc(need_size)
+        if slots is not None:
+            self.refs.allocated(slots)
+        return slots
+
+    def free(self, free_index: torch.Tensor) -> None:
+        if free_index.numel() == 0:
+            return
+        if self.free_group is not None:  # SGLang's batched frees: counted when the group ends
+            self.free_group.append(self._copy_for_free_group(free_index))
+            return
+        self._to_free_list(self.refs.release(free_index.to(torch.int64)))
+
+    def read(self, slots: torch.Tensor) -> None:
+        """A request row reads `slots` (a Master's) in place: one reference each."""
+        self.refs.read(slots)
+
+    def unread(self, slots: torch.Tensor) -> None:
+        """The row stops reading `slots` and drops those references."""
+        self.refs.unread(slots)
+        self.free(slots)
+
+    def hold(self, slots: torch.Tensor) -> None:
+        """A Master takes a reference on `slots`."""
+        self.refs.hold(slots)
+
+    def unhold(self, slots: torch.Tensor) -> None:
+        """A Master drops its references (evicted, or the cache reset)."""
+        self._to_free_list(self.refs.unhold(slots))
+
+    def _to_free_list(self, released: torch.Tensor) -> None:
+        """Slots whose last reference went: SGLang's free list, now (already counted, they
+        must not pass a free group's deferred `free` again)."""
+        group, self.free_group = self.free_group, None
+        try:
+            super().free(released)
+        finally:
+            self.free_group = group
+
+
+def install_allocator(allocator, *unused, **unused_kw):
+    """AFTER hook on KVCacheConfigurator._build_token_to_kv_pool_allocator: SGLang's plain
+    allocator becomes a RefCountedAllocator with the same arguments (nothing is allocated yet)."""
+    if type(allocator) is not TokenToKVPoolAllocator:
+        return allocator
+    return RefCountedAllocator(allocator.size, dtype=allocator.dtype, device=allocator.device,
+                               kvcache=allocator.get_kvcache(), need_sort=allocator.need_sort)

@@ -1,0 +1,139 @@
+"""Zero-copy Master-Mirror storage inside a real server (SmolLM2, --tokendance-storage mirror,
+a KV pool far below the working set, one server for the module): live rows read the Masters'
+slots in place and own only their recomputed tokens; a pinned Master survives eviction
+pressure; aborts mid-prefill and mid-decode, retractions and /flush_cache leave no slot
+behind (conftest's leak invariant after every test: each slot counted once, tree and Masters
+sharing slots)."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from conftest import assert_no_leak, forest_stats
+from sglang_tokendance.core.segments import DEFAULT_SEPARATOR as SEP
+from sglang_tokendance.server_process import ServerProcess
+from test_faults_server import BLOCKS, agent_prompt, post, stream
+
+pytestmark = pytest.mark.slow
+
+POOL = 2048
+
+
+def cache_every_block(url: str) -> None:
+    for author in range(2):  # every block cached, in two authors' contexts
+        post(url, SEP.join([f"You are author {author}.", *BLOCKS[author * 4:author * 4 + 4], " Go:"]), 1)
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path):
+    # an optimistic admission (--schedule-conservativeness) lets decodes outgrow the pool: SGLang retracts;
+    # SGLang checks its pool accounting after every step (each slot counted once) and stops on a mismatch
+    with ServerProcess(["--max-total-tokens", str(POOL), "--context-length", "1024", "--schedule-conservativeness",
+                        "0.05", "--tokendance-storage", "mirror", "--tokendance-check-layer", "2"],
+                       env={"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1"}) as proc:
+        cache_every_block(proc.url)
+        assert forest_stats(proc.url)["segment_nodes"] == len(BLOCKS)
+        yield proc.url
+
+
+class Reader:
+    """A streamed reusing request, its first chunk read (prefill done, decoding) and its
+    stream held open (dropping the chunk iterator closes the connection: SGLang aborts)."""
+
+    def __init__(self, url: str, agent: int, blocks: int = 2, tokens: int = 400):
+        body = {"text": agent_prompt(agent, blocks),
+                "sampling_params": {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}}
+        self.response, self.chunks = stream(url, body)
+        self.info = next(self.chunks)["meta_info"]["tokendance"]
+
+    def close(self) -> None:
+        """The client goes away mid-decode."""
+        self.response.close()
+
+
+def test_live_mirrors_read_masters_in_place_and_own_only_their_diff(server):
+    before = forest_stats(server)
+    first, second = Reader(server, 0), Reader(server, 1)  # both read block 1, at different offsets
+    a, b = first.info, second.info
+    try:
+        stats = forest_stats(server)
+        assert a["segment_hits"] == b["segment_hits"] == 2 and a["recomputed_tokens"] > 0
+        assert stats["row_references"] == a["reused_tokens"] + b["reused_tokens"]
+        assert stats["mirror_diff_tokens"] == a["recomputed_tokens"] + b["recomputed_tokens"]
+        assert stats["pinned_segments"] == 3 and stats["master_tokens"] == before["master_tokens"]
+        for info in (a, b):
+            assert info["mirror_diff_tokens"] == info["recomputed_tokens"]
+            assert info["mirror_compression"] == pytest.approx(
+                (info["reused_tokens"] + info["recomputed_tokens"]) / info["recomputed_tokens"])
+            assert info["mirror_compression"] > 2
+    finally:
+        first.close(), second.close()
+
+
+def test_a_pinned_master_survives_eviction_pressure(server):
+    cache_every_block(server)
+    before = forest_stats(server)
+    live = Reader(server, 4, blocks=3)  # pins blocks 4, 5, 6
+    try:
+        flood = [f"Private note {i}: " + " ".join(f"word{i}x{k}" for k in range(110)) for i in range(4)]
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(lambda text: post(server, text, 1), flood))
+        stats = forest_stats(server)
+        assert stats["segments_evicted"] > before["segments_evicted"], "the pool was not under pressure"
+        assert stats["pinned_segments"] == 3
+        again = post(server, agent_prompt(12, 3), 1)["meta_info"]["tokendance"]  # the same blocks as agent 4
+        assert again["segment_hits"] == 3
+    finally:
+        live.close()
+
+
+def test_aborts_mid_prefill_leave_nothing_behind(server):
+    cache_every_block(server)
+    for agent in range(4):
+        response, _ = stream(server, {"text": agent_prompt(agent, 3), "sampling_params": {"max_new_tokens": 50}})
+        response.close()  # gone before the first token
+    assert post(server, agent_prompt(5, 2), 4)["meta_info"]["tokendance"]["segment_hits"] > 0
+
+
+def test_many_mirrors_hold_more_kv_positions_than_the_pool_and_all_finish(server):
+    """Twelve agents reading three blocks each need about 2.5x the pool as dense copies; read in
+    place, more row positions are live at once than the pool has slots, and SGLang retracts
+    and re-runs the requests it overcommitted."""
+    cache_every_block(server)
+    peak, done = [0], threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            stats = forest_stats(server)
+            peak[0] = max(peak[0], stats["row_references"] + stats["pool_tokens"] - stats["free_tokens"])
+            done.wait(0.2)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with ThreadPoolExecutor(12) as pool:
+            outs = list(pool.map(lambda a: post(server, agent_prompt(a, 3), 320, ignore_eos=True), range(12)))
+    finally:
+        done.set()
+        watcher.join()
+    assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in outs)
+    assert sum(o["meta_info"]["tokendance"]["segment_hits"] for o in outs) > 12
+    assert peak[0] > POOL, f"at most {peak[0]} KV positions live at once"
+    assert sum(o["meta_info"]["num_retractions"] for o in outs) > 0, "nothing was retracted"
+
+
+def test_flush_waits_for_live_mirrors_then_frees_every_slot(server):
+    cache_every_block(server)
+    live = Reader(server, 2)
+    assert requests.post(server + "/flush_cache", timeout=60).status_code != 200  # a Mirror is alive
+    assert forest_stats(server)["pinned_segments"] == 2
+    live.close()
+    assert_no_leak(server)
+    assert requests.post(server + "/flush_cache", timeout=60).status_code == 200
+    stats = forest_stats(server)
+    assert stats["free_tokens"] == stats["pool_tokens"] and stats["segment_nodes"] == 0 == stats["master_tokens"]
+    cache_every_block(server)
