@@ -8,6 +8,8 @@ the same as dense storage, selections included."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import sys
 from pathlib import Path
 
@@ -155,8 +157,7 @@ def zero_copy_batch(rows: list[RequestRow], pool: DenseKV) -> tuple[list[Request
             own.append(slots[row.prefix_len + r.start:row.prefix_len + r.end].clone())
             slots[row.prefix_len + r.start:row.prefix_len + r.end] = master_slots[used:used + n]
             used += n
-        moved.append(RequestRow(row.prefix_len, row.num_tokens, slots, row.reused,
-                                own=torch.cat(own) if own else None))
+        moved.append(dataclasses.replace(row, slots=slots, own=torch.cat(own) if own else None))
     return moved, out, master_slots
 
 

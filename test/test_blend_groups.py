@@ -242,3 +242,31 @@ def test_mirror_storage_computes_what_dense_storage_computes(model):
     assert torch.equal(mirror[1].kept, dense[1].kept) and mirror[1].token_layers == dense[1].token_layers
     for a, b in ((mirror[0], dense[0]), (mirror[2].k, dense[2].k), (mirror[2].v, dense[2].v)):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+
+
+def test_zero_copy_under_a_shared_probe_writes_kept_adopted_tokens_into_their_own_slots(model):
+    """Master-Mirror zero copy with a shared probe: rows read the segments' Master slots in
+    place; the kept tokens -- the adopted ones caught up after the check included -- are
+    computed into their own slots, exactly what the copying run writes there; Masters are
+    never written."""
+    from test_blend_golden import zero_copy_batch
+
+    together = Round(model)
+    spec = RopeSpec.from_hf_config(model.lm.config)
+    rope_on_read = RopeOnRead(spec)
+    pool = rotate_rows(together.kv, together.rows, lambda k, p: unrotate(k, p, spec))
+    ids, positions = torch.cat(together.ids), torch.cat(together.positions)
+    copied = pool.clone()
+    want, want_stats = blended_prefill(model, copied, ids, positions, together.rows, SHARED_PROBE, RULE, rope_on_read)
+    zero_rows, zero_pool, master_slots = zero_copy_batch(together.rows, pool)
+    kv = zero_pool.clone()
+    got, stats = blended_prefill(model, kv, ids, positions, zero_rows, SHARED_PROBE, RULE, rope_on_read)
+    assert stats.adopted_tokens > 0 and bool((stats.kept & stats.adopted).any())
+    assert torch.equal(stats.kept, want_stats.kept) and stats.token_layers == want_stats.token_layers
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(kv.k[:, master_slots], zero_pool.k[:, master_slots])
+    own = torch.cat([row.own for row in zero_rows])
+    caught = own[stats.kept & stats.adopted]
+    torch.testing.assert_close(kv.k[:, caught], copied.k[:, caught], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kv.v[:, own[stats.kept]], copied.v[:, own[stats.kept]], atol=1e-5, rtol=1e-5)
+    assert not kv.k[:, own[~stats.kept]].any()

@@ -444,7 +444,7 @@ class _Batch:
         without `own` owns the slots its row holds."""
         if all(r.own is None for r in self.requests):
             return None
-        reused_locs = self.locs[self.reused].split([sum(end - start for start, end, _ in runs) for runs in self.runs])
+        reused_locs = self.locs[self.reused].split([sum(run.end - run.start for run in runs) for runs in self.runs])
         return torch.cat([mine if r.own is None else r.own.to(torch.int64)
                           for r, mine in zip(self.requests, reused_locs)])
 
