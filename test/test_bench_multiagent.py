@@ -251,3 +251,15 @@ def test_token_layers_count_a_shared_probe():
                                adopted_tokens=adopted)
         total += token_layers(record, SHARED_PROBE, model.num_layers)
     assert total == stats.token_layers and stats.adopted_tokens > 0
+
+
+def test_mirror_compression_is_reused_positions_per_own_slot():
+    from sglang_tokendance.bench.multiagent import RequestRecord, mirror_compression
+
+    def record(reused, recomputed, own):
+        return RequestRecord(0, 0, 0, 0.0, 0.0, 100, 0, 1, reused, "", recomputed_tokens=recomputed,
+                             mirror_diff_tokens=own)
+
+    assert mirror_compression([record(70, 30, 30), record(140, 60, 60)]) == pytest.approx(300 / 90)
+    assert mirror_compression([record(70, 30, 100)]) == 1.0  # a dense copy
+    assert mirror_compression([record(0, 0, 0)]) != mirror_compression([record(0, 0, 0)])  # nan: nothing reused

@@ -170,7 +170,7 @@ def compare(args, systems: Systems, config: WorkloadConfig) -> tuple[list[dict],
         ("Summary", report.markdown_table(summaries, [
             "mode", speedup, "mean_round_latency_s", "mean_round_prefill_s", "mean_round_decode_s",
             "mean_ttft_s", "prompt_tokens", "cached_tokens", "reused_tokens", "peak_kv_used_tokens",
-            "peak_kv_tokens_per_agent", "wall_s"])),
+            "peak_kv_tokens_per_agent", "mirror_compression", "wall_s"])),
         ("Tail latency and errors", report.markdown_table(summaries, [
             "mode", "num_requests", "errors", "p50_ttft_s", "p99_ttft_s", "p50_round_latency_s",
             "p99_round_latency_s"])),

@@ -89,6 +89,7 @@ class RequestRecord:
     computed_tokens: int = 0  # every prompt token the forward computed (0 on stock servers)
     segment_hits: int = 0  # cached segments the request reused
     adopted_tokens: int = 0  # reused tokens that skipped the probe (its round group's shared probe)
+    mirror_diff_tokens: int = 0  # own KV slots at its reused positions (all of them under dense storage)
 
 
 @dataclass
@@ -146,6 +147,7 @@ class RunResult:
             "completion_tokens": sum(q.completion_tokens for q in self.requests),
             "peak_kv_used_tokens": max((u for _, u in self.kv_usage), default=0),
             "peak_kv_tokens_per_agent": mean(r.peak_kv_tokens / r.num_agents for r in self.rounds),
+            "mirror_compression": mirror_compression(self.requests),
         }
 
     def record_round_peaks(self) -> None:
@@ -154,6 +156,14 @@ class RunResult:
         for r in self.rounds:
             begin, end = r.start - self.t0, r.start - self.t0 + r.latency
             r.peak_kv_tokens = max((u for t, u in self.kv_usage if begin <= t <= end), default=0)
+
+
+def mirror_compression(requests: list[RequestRecord]) -> float:
+    """Reused positions per own KV slot among them, over the requests that reused (1.0: dense
+    copies; nan: nothing reused)."""
+    positions = sum(q.reused_tokens + q.recomputed_tokens for q in requests if q.mirror_diff_tokens)
+    own = sum(q.mirror_diff_tokens for q in requests)
+    return positions / own if own else float("nan")
 
 
 def quantile(xs: list[float], q: float) -> float:
@@ -237,7 +247,7 @@ async def run_session(http, url: str, mode: Mode, sim: Simulation, session: int,
                 session, round_index, agent, ttft, req_latency, meta["prompt_tokens"],
                 meta.get("cached_tokens", 0), meta["completion_tokens"], reuse.get("reused_tokens", 0),
                 last["text"], reuse.get("recomputed_tokens", 0), reuse.get("computed_tokens", 0),
-                reuse.get("segment_hits", 0), reuse.get("adopted_tokens", 0),
+                reuse.get("segment_hits", 0), reuse.get("adopted_tokens", 0), reuse.get("mirror_diff_tokens", 0),
             ))
         if prefill_only:
             blocks = await register_stand_ins(http, url, mode, sim, round_index, blocks)
