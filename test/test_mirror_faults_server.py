@@ -1,9 +1,9 @@
 """Zero-copy Master-Mirror storage inside a real server (SmolLM2, --tokendance-storage mirror,
 a KV pool far below the working set, one server for the module): live rows read the Masters'
 slots in place and own only their recomputed tokens; a pinned Master survives eviction
-pressure; aborts mid-prefill and mid-decode, retractions and /flush_cache leave no slot
-behind (conftest's leak invariant after every test: each slot counted once, tree and Masters
-sharing slots)."""
+pressure; aborts mid-prefill and mid-decode and /flush_cache leave no slot behind; more
+positions live than the pool has slots (conftest's leak invariant after every test: each slot
+counted once, tree and Masters sharing slots)."""
 
 from __future__ import annotations
 
@@ -13,14 +13,16 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from conftest import assert_no_leak, forest_stats
+from conftest import assert_no_leak, forest_stats, generate
 from sglang_tokendance.core.segments import DEFAULT_SEPARATOR as SEP
 from sglang_tokendance.server_process import ServerProcess
 from test_faults_server import BLOCKS, agent_prompt, post, stream
+from test_metrics import tokendance_metrics
 
 pytestmark = pytest.mark.slow
 
 POOL = 2048
+ROUND_WINDOW_MS = 60_000  # a named round waits for all its members: admitted together, whatever the CPU load
 
 
 def cache_every_block(url: str) -> None:
@@ -30,10 +32,11 @@ def cache_every_block(url: str) -> None:
 
 @pytest.fixture(scope="module")
 def server(smollm2_path):
-    # an optimistic admission (--schedule-conservativeness) lets decodes outgrow the pool: SGLang retracts;
+    # an optimistic admission (--schedule-conservativeness) lets decodes outgrow the pool;
     # SGLang checks its pool accounting after every step (each slot counted once) and stops on a mismatch
     with ServerProcess(["--max-total-tokens", str(POOL), "--context-length", "1024", "--schedule-conservativeness",
-                        "0.05", "--tokendance-storage", "mirror", "--tokendance-check-layer", "2"],
+                        "0.05", "--tokendance-storage", "mirror", "--tokendance-check-layer", "2", "--enable-metrics",
+                        "--tokendance-round-window-ms", str(ROUND_WINDOW_MS)],
                        env={"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1"}) as proc:
         cache_every_block(proc.url)
         assert forest_stats(proc.url)["segment_nodes"] == len(BLOCKS)
@@ -65,6 +68,10 @@ def test_live_mirrors_read_masters_in_place_and_own_only_their_diff(server):
         assert stats["row_references"] == a["reused_tokens"] + b["reused_tokens"]
         assert stats["mirror_diff_tokens"] == a["recomputed_tokens"] + b["recomputed_tokens"]
         assert stats["pinned_segments"] == 3 and stats["master_tokens"] == before["master_tokens"]
+        gauges = tokendance_metrics(server)  # --enable-metrics: the same counts
+        assert gauges["sglang:tokendance_row_references"] == stats["row_references"]
+        assert gauges["sglang:tokendance_mirror_diff_tokens"] == stats["mirror_diff_tokens"]
+        assert gauges["sglang:tokendance_master_tokens"] == stats["master_tokens"]
         for info in (a, b):
             assert info["mirror_diff_tokens"] == info["recomputed_tokens"]
             assert info["mirror_compression"] == pytest.approx(
@@ -101,8 +108,9 @@ def test_aborts_mid_prefill_leave_nothing_behind(server):
 
 def test_many_mirrors_hold_more_kv_positions_than_the_pool_and_all_finish(server):
     """Twelve agents reading three blocks each need about 2.5x the pool as dense copies; read in
-    place, more row positions are live at once than the pool has slots, and SGLang retracts
-    and re-runs the requests it overcommitted."""
+    place, more row positions are live at once than the pool has slots, and every request
+    finishes (one named round: the twelve are admitted together). Whether SGLang also retracts
+    some depends on its admission estimate: not asserted (it did not, in 2 of 4 runs)."""
     cache_every_block(server)
     peak, done = [0], threading.Event()
 
@@ -116,14 +124,15 @@ def test_many_mirrors_hold_more_kv_positions_than_the_pool_and_all_finish(server
     watcher.start()
     try:
         with ThreadPoolExecutor(12) as pool:
-            outs = list(pool.map(lambda a: post(server, agent_prompt(a, 3), 320, ignore_eos=True), range(12)))
+            outs = list(pool.map(lambda a: generate(server, agent_prompt(a, 3), 320, {"ignore_eos": True},
+                                                    tokendance={"round": "overcommit", "round_size": 12}),
+                                 range(12)))
     finally:
         done.set()
         watcher.join()
     assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in outs)
     assert sum(o["meta_info"]["tokendance"]["segment_hits"] for o in outs) > 12
     assert peak[0] > POOL, f"at most {peak[0]} KV positions live at once"
-    assert sum(o["meta_info"]["num_retractions"] for o in outs) > 0, "nothing was retracted"
 
 
 def test_flush_waits_for_live_mirrors_then_frees_every_slot(server):

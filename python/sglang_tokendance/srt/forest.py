@@ -76,11 +76,11 @@ class SegmentForest(RadixCache):
         self.segments = SegmentTable()
         self.requests: dict[object, RequestReuse] = {}  # SGLang's Req -> its reuse, until released
         self.planned: dict[int, ChunkPlan] = {}  # req_pool_idx -> its plan for the coming forward
+        # Master-Mirror storage: K un-rotated in the pool, so rows read Masters' slots in place
+        self.zero_copy = keys is not None and not keys.rotated  # set first: SGLang's __init__ resets (counts)
         super().__init__(params)
         if self.page_size != 1:
             raise ValueError(f"the tokendance radix cache needs --page-size 1, got {self.page_size}")
-        # Master-Mirror storage: K un-rotated in the pool, so rows read Masters' slots in place
-        self.zero_copy = keys is not None and not keys.rotated
         if self.zero_copy and not isinstance(self.token_to_kv_pool_allocator, RefCountedAllocator):
             raise ValueError("mirror storage needs the reference-counted KV allocator (srt/pool.py), "
                              f"got {type(self.token_to_kv_pool_allocator).__name__}")
