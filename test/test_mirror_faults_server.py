@@ -124,7 +124,7 @@ def test_many_mirrors_hold_more_kv_positions_than_the_pool_and_all_finish(server
     watcher.start()
     try:
         with ThreadPoolExecutor(12) as pool:
-            outs = list(pool.map(lambda a: generate(server, agent_prompt(a, 3), 320, {"ignore_eos": True},
+            outs = list(pool.map(lambda a: generate(server, agent_prompt(a, 3), 160, {"ignore_eos": True},
                                                     tokendance={"round": "overcommit", "round_size": 12}),
                                  range(12)))
     finally:
