@@ -70,6 +70,8 @@ MODES: dict[str, Mode] = {
     "tokendance-collective": Mode("tokendance-collective", stock=False, marked=True, rounds=True,
                                   server_args=("--tokendance-group-selection", "aligned",
                                                "--tokendance-group-probe", "1")),
+    "tokendance-mirror": Mode("tokendance-mirror", stock=False, marked=True,  # zero-copy Master-Mirror storage
+                              server_args=("--tokendance-storage", "mirror")),
 }
 
 
