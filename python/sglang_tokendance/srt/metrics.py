@@ -46,7 +46,6 @@ NO_METRICS = ForestMetrics()
 class PrometheusForestMetrics(ForestMetrics):
     def __init__(self, labels: dict[str, Any], segments: SegmentTable, bytes_per_token: int,
                  storage: Callable[[], StorageCounts]) -> None:
-
         self.segments = segments
         self.bytes_per_token = bytes_per_token
         self.storage = storage
