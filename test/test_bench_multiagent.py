@@ -132,6 +132,15 @@ def test_error_answers_fail_loudly(fake):
         asyncio.run(go())
 
 
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> str:
+    """A random-weight model (4 layers: below TokenDance's default check layer, so stock modes
+    only): the CLI's servers start and answer fast (what is checked is the CLI)."""
+    from sglang_tokendance.tiny_models import write_tiny_model
+
+    return str(write_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama"))
+
+
 @pytest.mark.slow
 def test_cli_compares_stock_radix_and_tokendance(tmp_path, smollm2_path):
     from sglang_tokendance import bench_multiagent
@@ -152,11 +161,12 @@ def test_cli_compares_stock_radix_and_tokendance(tmp_path, smollm2_path):
 
 
 @pytest.mark.slow
-def test_capacity_mode_finds_max_agents_under_slo(tmp_path, smollm2_path):
+def test_capacity_mode_finds_max_agents_under_slo(tmp_path, tiny_llama):
     from sglang_tokendance import bench_multiagent
 
     out = tmp_path / "cap.jsonl"
     bench_multiagent.main(["--capacity", "--modes", "radix", "--capacity-rates", "1,4", "--max-agents", "3",
+                           "--model-path", tiny_llama,
                            "--num-rounds", "1", "--max-new-tokens", "2", "--slo-ms", "600000",
                            "--max-total-tokens", "8192", "--output-file", str(out)])
     records = [json.loads(line) for line in out.read_text().splitlines()]
@@ -263,3 +273,24 @@ def test_mirror_compression_is_reused_positions_per_own_slot():
     assert mirror_compression([record(70, 30, 30), record(140, 60, 60)]) == pytest.approx(300 / 90)
     assert mirror_compression([record(70, 30, 100)]) == 1.0  # a dense copy
     assert mirror_compression([record(0, 0, 0)]) != mirror_compression([record(0, 0, 0)])  # nan: nothing reused
+
+
+def test_prefill_rows_are_fractions_of_radix_in_time_and_of_a_full_prefill_in_work():
+    from sglang_tokendance.bench.multiagent import RequestRecord
+    from sglang_tokendance.bench_multiagent import prefill_rows
+
+    def result(mode, prefills, reused, recomputed):
+        run = RunResult(mode, 2, float("inf"))
+        run.rounds = [RoundRecord(0, i, 2, start=0.0, latency=t, prefill=t, decode=0.0) for i, t in enumerate(prefills)]
+        run.requests = [RequestRecord(0, 1, a, 0.0, 0.0, 100, 20, 1, reused, "", recomputed_tokens=recomputed)
+                        for a in range(2)]
+        return run
+
+    results = {("radix", 2): [result("radix", [4.0, 8.0], 0, 0)],
+               ("tokendance-plain", 2): [result("tokendance-plain", [2.0, 2.0], 60, 0)]}
+    rows = prefill_rows([MODES["radix"], MODES["tokendance-plain"]], [2], results, layers=10)
+    radix, plain = rows
+    assert radix["time_fraction"] == radix["speedup"] == radix["work_fraction"] == 1.0
+    assert plain["time_fraction"] == pytest.approx(0.25) and plain["speedup"] == pytest.approx(4.0)
+    assert plain["round0_time_fraction"] == pytest.approx(0.5)
+    assert plain["work_fraction"] == pytest.approx(20 / 80)  # fresh tokens only, of the 80 past the radix prefix

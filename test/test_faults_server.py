@@ -24,6 +24,8 @@ pytestmark = pytest.mark.slow
 
 WORDS = "mill river bakery market council bridge square lantern orchard meadow forge granary".split()
 POOL = 2048
+# SGLang's own retraction test switch: every 30th decode step retracts requests
+RETRACT_EVERY_30_STEPS = {"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "30"}
 
 
 def block(i: int, words: int = 100) -> str:
@@ -44,11 +46,10 @@ def post(url: str, text: str, max_new_tokens: int = 4, **sampling) -> dict:
 
 @pytest.fixture(scope="module")
 def server(smollm2_path):
-    # SGLang's own retraction test switch: a decode step retracts requests every 30 steps, on top of
-    # the real pressure of a tiny pool, so every concurrent run below is retracted and re-run
-    retract = {"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "30"}
-    with ServerProcess(["--max-total-tokens", str(POOL), "--context-length", "1024",
-                        "--tokendance-recompute-ratio", "1.0", "--tokendance-check-layer", "2"], env=retract) as proc:
+    # retraction every 30 decode steps on top of the real pressure of a tiny pool: every
+    # concurrent run below is retracted and re-run
+    with ServerProcess(["--max-total-tokens", str(POOL), "--context-length", "1024", "--tokendance-recompute-ratio",
+                        "1.0", "--tokendance-check-layer", "2"], env=RETRACT_EVERY_30_STEPS) as proc:
         for author in range(2):  # every block cached, in two authors' contexts
             post(proc.url, SEP.join([f"You are author {author}.", *BLOCKS[author * 4:author * 4 + 4], " Go:"]), 1)
         assert forest_stats(proc.url)["segment_nodes"] == len(BLOCKS)

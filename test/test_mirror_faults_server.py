@@ -1,9 +1,10 @@
 """Zero-copy Master-Mirror storage inside a real server (SmolLM2, --tokendance-storage mirror,
-a KV pool far below the working set, one server for the module): live rows read the Masters'
-slots in place and own only their recomputed tokens; a pinned Master survives eviction
-pressure; aborts mid-prefill and mid-decode and /flush_cache leave no slot behind; more
-positions live than the pool has slots (conftest's leak invariant after every test: each slot
-counted once, tree and Masters sharing slots)."""
+a KV pool far below the working set): live rows read the Masters' slots in place and own only
+their recomputed tokens; a pinned Master survives eviction pressure; aborts mid-prefill and
+mid-decode and /flush_cache leave no slot behind; more positions live than the pool has slots;
+and, on a second server under SGLang's retraction test switch, Mirrors retracted mid-decode
+release their Masters and re-run to the clean answer (conftest's leak invariant after every
+test: each slot counted once, tree and Masters sharing slots)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import requests
 from conftest import assert_no_leak, forest_stats
 from sglang_tokendance.core.segments import DEFAULT_SEPARATOR as SEP
 from sglang_tokendance.server_process import ServerProcess
-from test_faults_server import BLOCKS, agent_prompt, post, stream
+from test_faults_server import BLOCKS, RETRACT_EVERY_30_STEPS, agent_prompt, post, stream
 from test_metrics import tokendance_metrics
 
 pytestmark = pytest.mark.slow
@@ -142,3 +143,28 @@ def test_flush_waits_for_live_mirrors_then_frees_every_slot(server):
     stats = forest_stats(server)
     assert stats["free_tokens"] == stats["pool_tokens"] and stats["segment_nodes"] == 0 == stats["master_tokens"]
     cache_every_block(server)
+
+
+@pytest.fixture(scope="module")
+def retracting_server(smollm2_path):
+    """Mirror storage at the default recompute ratio (rows read Masters in place) under SGLang's
+    retraction test switch; the pool holds every block, so a re-run reads the same Masters."""
+    with ServerProcess(["--max-total-tokens", "8192", "--context-length", "1024", "--tokendance-storage", "mirror",
+                        "--tokendance-check-layer", "2"],
+                       env={**RETRACT_EVERY_30_STEPS, "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1"}) as proc:
+        cache_every_block(proc.url)
+        yield proc.url
+
+
+def test_retracted_mirrors_release_their_masters_and_rerun_to_the_clean_answer(retracting_server):
+    url = retracting_server
+    clean = [post(url, agent_prompt(agent, 2), 64, ignore_eos=True) for agent in range(6)]  # alone: never retracted
+    assert all(out["meta_info"]["num_retractions"] == 0 for out in clean)
+    with ThreadPoolExecutor(6) as pool:
+        outs = list(pool.map(lambda a: post(url, agent_prompt(a, 2), 64, ignore_eos=True), range(6)))
+    assert sum(o["meta_info"]["num_retractions"] for o in outs) > 0, "no request was retracted"
+    for agent, (out, alone) in enumerate(zip(outs, clean)):
+        info = out["meta_info"]["tokendance"]
+        assert info["segment_hits"] == 2 and 0 < info["mirror_diff_tokens"] < info["reused_tokens"], info
+        assert out["output_ids"] == alone["output_ids"], agent
+    assert forest_stats(url)["segments_evicted"] == 0

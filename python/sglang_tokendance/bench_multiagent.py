@@ -294,10 +294,14 @@ def prefill_sweep(args, systems: Systems, config: WorkloadConfig) -> tuple[list[
     rows = prefill_rows(modes, args.agents, results, layers)
     records += [{"type": "idle", **i} for i in idles] + [{"type": "prefill_summary", **r} for r in rows]
     if not args.no_plot:
-        report.plot_fractions(args.output_file.with_suffix("").with_name(args.output_file.stem + "_fractions.png"),
-                              rows)
-    columns = ["mode", "num_agents", "time_fraction", "work_fraction", "mean_prefill_s", "round0_time_fraction",
-               "prompt_tokens", "cached_tokens", "reused_tokens", "recomputed_tokens"]
+        stem = args.output_file.with_suffix("")
+        report.plot_fractions(Path(f"{stem}_fractions.png"), rows)
+        report.plot_lines(Path(f"{stem}_speedup.png"), "Prefill of rounds with reuse: speedup over stock radix",
+                          "agents per round (N)", "radix's time / the mode's",
+                          {m.name: ([r["num_agents"] for r in rows if r["mode"] == m.name],
+                                    [r["speedup"] for r in rows if r["mode"] == m.name]) for m in modes})
+    columns = ["mode", "num_agents", "time_fraction", "speedup", "work_fraction", "mean_prefill_s",
+               "round0_time_fraction", "prompt_tokens", "cached_tokens", "reused_tokens", "recomputed_tokens"]
     return records, [("Machine idle before each N", report.markdown_table(idles, ["repeat", "num_agents",
                                                                                    "cpu_busy_fraction", "idle"])),
                      ("Prefill of the rounds with reuse (rounds 1 on), as fractions of stock radix's time and "
@@ -307,7 +311,8 @@ def prefill_sweep(args, systems: Systems, config: WorkloadConfig) -> tuple[list[
 def prefill_rows(modes: list[Mode], agents: list[int], results: dict[tuple[str, int], list[RunResult]],
                  layers: int) -> list[dict]:
     """Per mode and N: mean prefill time of the rounds after the first (which have reuse) and
-    of round 0 (none yet), both over radix's, and the work fraction of those rounds."""
+    of round 0 (none yet), both over radix's (and the speedup, its inverse), and the work
+    fraction of those rounds."""
     def mean_prefill(name: str, n: int, later: bool) -> float:
         times = [r.prefill for res in results[(name, n)] for r in res.rounds if (r.round > 0) == later]
         return sum(times) / len(times)
@@ -319,9 +324,9 @@ def prefill_rows(modes: list[Mode], agents: list[int], results: dict[tuple[str, 
             reqs = [q for res in results[(m.name, n)] for q in res.requests if q.round > 0]
             options = m.blend_options()
             full = sum((q.prompt_tokens - q.cached_tokens) * layers for q in reqs)
+            fraction = mean_prefill(m.name, n, True) / mean_prefill(base, n, True)
             rows.append({
-                "mode": m.name, "num_agents": n,
-                "time_fraction": mean_prefill(m.name, n, True) / mean_prefill(base, n, True),
+                "mode": m.name, "num_agents": n, "time_fraction": fraction, "speedup": 1 / fraction,
                 "work_fraction": sum(token_layers(q, options, layers) for q in reqs) / full,
                 "mean_prefill_s": mean_prefill(m.name, n, True),
                 "round0_time_fraction": mean_prefill(m.name, n, False) / mean_prefill(base, n, False),

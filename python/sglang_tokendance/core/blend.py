@@ -118,6 +118,13 @@ class BlendOptions:
     def screened(self) -> bool:
         return 1 <= self.screen_layer < self.check_layer
 
+    @property
+    def keeps_everything(self) -> bool:
+        """Ratio 1 keeps every reused token whatever the scores (unless a screen passes fewer):
+        a full prefill, which never reads the reused tokens' cached KV."""
+        screen_share = min(1.0, self.screen_factor * self.recompute_ratio) if self.screened else 1.0
+        return self.recompute_ratio >= 1.0 and screen_share >= 1.0
+
 
 GROUP_SELECTIONS = ("per-request", "aligned")
 
@@ -180,19 +187,13 @@ def blended_prefill(model: LayerwiseModel, kv: KVStore, ids: torch.Tensor, posit
         return _run_layers(model, kv, batch, model.embed(ids[computed]), computed, 0, batch.stats)
     if rule is None:
         raise ValueError("a recompute ratio above 0 needs a selection rule")
-    if _keeps_everything(options):  # no rule can change the outcome: a full prefill
+    if options.keeps_everything:  # no rule can change the outcome: a full prefill
         kept = torch.ones(batch.stats.reused_tokens, dtype=torch.bool, device=ids.device)
         stats = dataclasses.replace(batch.stats, kept=kept, kept_tokens=batch.stats.reused_tokens)
         return _run_layers(model, kv, batch.with_own_slots(kept), model.embed(ids), torch.ones_like(batch.reused), 0,
                            stats)
     checked = probe(model, kv, ids, positions, requests, rule, options, rope_on_read)
     return finish(model, kv, checked, select(checked, rule, options), options)
-
-
-def _keeps_everything(options: BlendOptions) -> bool:
-    """Ratio 1 keeps every reused token whatever the scores (unless a screen passes fewer)."""
-    screen_share = min(1.0, options.screen_factor * options.recompute_ratio) if options.screened else 1.0
-    return options.recompute_ratio >= 1.0 and screen_share >= 1.0
 
 
 @dataclass

@@ -190,8 +190,9 @@ class SegmentForest(RadixCache):
         Mirror storage (zero copy): the row points those positions at the Masters' slots,
         taking a reference on each, and the slots SGLang allocated there wait in the plan for
         the forward (`settle`). Dense storage: the KV is copied into the request's own slots,
-        rotated to its positions, one copy for the whole batch. Plans of a forward that never
-        ran are undone here."""
+        rotated to its positions, one copy for the whole batch -- unless the blended prefill
+        recomputes every token anyway (ratio 1), which never reads it. Plans of a forward
+        that never ran are undone here."""
         for plan in self.planned.values():
             self._revert(plan)
         self.planned.clear()
@@ -213,6 +214,8 @@ class SegmentForest(RadixCache):
                        for run in plan.runs]
             if self.zero_copy:
                 self._point_at_masters(plan, row, torch.cat(masters))
+                continue
+            if self.blend.keeps_everything:
                 continue
             src += masters
             dst += [row[run.start:run.end].to(torch.int64) for run in plan.runs]
