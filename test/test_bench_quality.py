@@ -7,9 +7,11 @@ from dataclasses import replace
 
 import pytest
 
-from sglang_tokendance.bench.quality import (ORACLE, PLAIN, QualityConfig, QualityRunner, Setting, common_prefix,
-                                             evaluate_group, evaluate_prompt, group_settings, kl_top,
-                                             measure_divergence, summarize)
+from sglang_tokendance.bench.quality import (MASTER_CHOICES, ORACLE, PLAIN, GroupBatch, QualityConfig, QualityRunner,
+                                             Setting, common_prefix, evaluate_group,
+                                             evaluate_master_choice, evaluate_prompt, group_references, group_settings,
+                                             kl_top, master_stores, measure_divergence, medoid, segment_copies,
+                                             summarize)
 from sglang_tokendance.bench.quality_server import Workload
 from sglang_tokendance.bench.workloads import make_simulation, preset_config
 from sglang_tokendance.tiny_models import write_tiny_model
@@ -101,7 +103,7 @@ def test_round_group_modes(runner):
     assert [s.label for s in settings[:3]] == ["attention-kv r=0.3 c=2 s=1", "attention-kv r=0.3 c=2 s=1 g=aligned",
                                                "attention-kv r=0.3 c=2 s=1 g=aligned k=1"]
     assert Setting.parse(settings[2].label) == settings[2]
-    samples = evaluate_group(runner, prompts, store, config, settings)
+    samples = evaluate_group(runner, prompts, group_references(runner, prompts, config), store, config, settings)
     assert len(samples) == 3 * (1 + len(settings))
     by = {(s.setting, s.agent): s for s in samples}
     for s in samples:
@@ -112,6 +114,70 @@ def test_round_group_modes(runner):
     assert by[(shared, 0)].token_layers < by[(aligned, 0)].token_layers  # the batch's work
     rows = {r["setting"]: r for r in summarize(samples)}
     assert rows[shared]["adopted_share"] > 0 == rows[aligned]["adopted_share"]
+
+
+def test_medoid_of_copies():
+    """The copy that is the mean of the others is their medoid, wherever it stands; one copy is its own."""
+    import torch
+
+    torch.manual_seed(0)
+    others = [(torch.randn(3, 5, 2, 4) * (layer + 1), torch.randn(3, 5, 2, 4)) for layer in range(4)]
+    mean = (torch.stack([k for k, _ in others]).mean(0), torch.stack([v for _, v in others]).mean(0))
+    for at in range(len(others) + 1):
+        assert medoid([*others[:at], mean, *others[at:]]) == at
+    assert medoid(others[:1]) == 0
+
+
+def _round(agents: int, rounds: int = 1):
+    return make_simulation(preset_config("generative_agents", num_agents=agents, num_rounds=rounds, history_words=20,
+                                         block_words=25, max_new_tokens=6))
+
+
+def _changed_tokens(copy, master) -> int:
+    """Tokens of a segment copy whose K or V differs from the Master's at some layer."""
+    return int((((copy[0] - master[0]).abs().amax((0, 2, 3)) > 1e-4)
+                | ((copy[1] - master[1]).abs().amax((0, 2, 3)) > 1e-4)).sum())
+
+
+def test_member_copies_are_mirrors(runner):
+    """A round group leaves one copy of every segment per member: the author's Master with exactly
+    the member's kept tokens recomputed (none at plain reuse), so each member's diff is its kept
+    tokens whichever copy is the Master; the Master choices replace just those Masters."""
+    sim = _round(3)
+    store = runner.seed_store(sim)
+    prompts = [runner.agent_prompt(sim, i, 0, sim.seed_messages) for i in range(3)]
+    batch = GroupBatch(runner, prompts, store, CONFIG)
+    for setting in (Setting(PLAIN), Setting("attention-kv", 0.5, 2)):
+        members = batch.run(runner, setting, CONFIG.options)
+        copies = segment_copies(store, members)
+        assert set(copies) == set(store.entries) and all(len(c) == 3 for c in copies.values())
+        for i, member in enumerate(members):
+            changed = sum(_changed_tokens(c[i], store.entries[h]) for h, c in copies.items())
+            assert changed == member.stats.kept_tokens, (setting, i)
+            assert (changed > 0) == (setting.rule != PLAIN), (setting, i)
+    stores = master_stores(store, copies)
+    assert list(stores) == list(MASTER_CHOICES) and stores["author"] is store
+    for h, c in copies.items():
+        assert stores["first-reader"].entries[h] is c[0] and stores["medoid"].entries[h] is c[medoid(c)]
+
+
+def test_master_choice_rounds(runner):
+    """Round 1 reads round 0's segments under each Master choice: with nothing recomputed in round 0
+    every member copy is the author's Master, so every choice gives the author's measures; with
+    tokens recomputed, plain reuse of a member's copy is another prefill than of the author's."""
+    sim = _round(3, rounds=2)
+    config = replace(CONFIG, decode_steps=3, continuation_tokens=3)
+    for ratio in (0.0, 0.5):
+        samples = evaluate_master_choice(runner, sim, config, Setting("attention-kv", ratio, 2))
+        assert len(samples) == len(MASTER_CHOICES) * 2 * 3
+        by = {(s.master, s.setting, s.agent): s for s in samples}
+        author = [s for s in samples if s.master == "author"]
+        for master in MASTER_CHOICES[1:]:
+            gaps = [abs(by[(master, s.setting, s.agent)].first_kl - s.first_kl) for s in author]
+            assert (max(gaps) < 1e-5) == (ratio == 0), (ratio, master, gaps)
+    rows = summarize(samples)
+    assert {(r["master"], r["setting"]) for r in rows} == {(m, s) for m in MASTER_CHOICES
+                                                           for s in (PLAIN, "attention-kv r=0.5 c=2")}
 
 
 def test_simulation_divergence(runner):
@@ -152,6 +218,22 @@ def test_cli_writes_results(tmp_path, tiny_path):
     kinds = {json.loads(line)["kind"] for line in groups.read_text().splitlines()}
     assert kinds == {"group_sample", "group_summary", "group_versus"}
     assert "kl_vs_per_request" in groups.with_suffix(".md").read_text() and groups.with_suffix(".png").stat().st_size
+    master = tmp_path / "master.jsonl"
+    bench_quality.main(["--model-path", str(tiny_path), "--master-choice", "--num-agents", "1,2", "--check-layers", "2",
+                        "--continuation-tokens", "3", "--decode-steps", "2", "--history-words", "20",
+                        "--block-words", "25", "--output-file", str(master)])
+    records = [json.loads(line) for line in master.read_text().splitlines()]
+    assert {r["kind"] for r in records} == {"master_sample", "master_summary", "master_versus"}
+    versus = [r for r in records if r["kind"] == "master_versus"]
+    assert {(r["agents"], r["master"]) for r in versus} == {(n, m) for n in (1, 2) for m in MASTER_CHOICES[1:]}
+    for r in versus:  # a group of one: its only member's copy is the medoid and the first reader's
+        if r["agents"] == 1:
+            twin = next(v for v in versus if v["agents"] == 1 and v["setting"] == r["setting"] and v is not r)
+            assert r["decode_kl"] == twin["decode_kl"]
+    md = master.with_suffix(".md").read_text()
+    assert "--master-choice" in md and "kl_vs_author" in md and master.with_suffix(".png").stat().st_size
+    with pytest.raises(SystemExit):
+        bench_quality.parse_args(["--groups", "--master-choice"])
     server = bench_quality.parse_args(["--server", "--server-workloads", "N=6 w=40;N=3 w=30 chunk=64"])
     assert server.server_workloads == (Workload(6, 40), Workload(3, 30, 64))
     assert server.server_settings[0] == bench_quality.server_default_setting()

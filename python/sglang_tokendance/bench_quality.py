@@ -16,6 +16,12 @@ sglang_tokendance/bench/quality.py): every agent of one round at each N in one b
 per-request selection, group-aligned selection and shared probes (--group-probes) at --ratios;
 results go to benchmark/results/quality_groups.{jsonl,md,png} by default.
 
+With --master-choice it measures which copy of a shared segment to keep as its Master (see
+evaluate_master_choice in sglang_tokendance/bench/quality.py): the author's, or one of the
+copies the members of a round group leave (the medoid, the first reader's), read by the next
+round's agents at the server's default setting; results go to
+benchmark/results/quality_master_choice.{jsonl,md,png} by default.
+
 With --server it measures the same prompts through real servers instead: TokenDance servers
 at --server-settings vs one with --disable-tokendance, compared on top-logprobs beside the
 same truncated measure computed in-process (see sglang_tokendance/bench/quality_server.py);
@@ -32,9 +38,10 @@ from pathlib import Path
 import torch
 
 from sglang_tokendance.bench import quality_server, report
-from sglang_tokendance.bench.quality import (PLAIN, QualityConfig, QualityRunner, Setting, decode_kl_by_step,
-                                             measure_divergence, measure_groups, measure_prompts, prefill_timing,
-                                             sample_dicts, summarize)
+from sglang_tokendance.bench.quality import (MASTER_CHOICES, PLAIN, QualityConfig, QualityRunner, Setting,
+                                             decode_kl_by_step, default_setting, measure_divergence, measure_groups,
+                                             measure_master_choice, measure_prompts, prefill_timing, sample_dicts,
+                                             summarize)
 from sglang_tokendance.bench.quality_server import ServerConfig, Workload
 from sglang_tokendance.core.blend import BlendOptions
 from sglang_tokendance.core.selection import GRANULARITIES, RULES
@@ -43,6 +50,7 @@ from sglang_tokendance.server_args import TokenDanceArgs
 DEFAULT_OUTPUT = Path("benchmark/results/quality.jsonl")
 DEFAULT_SERVER_OUTPUT = Path("benchmark/results/quality_server.jsonl")
 DEFAULT_GROUPS_OUTPUT = Path("benchmark/results/quality_groups.jsonl")
+DEFAULT_MASTER_OUTPUT = Path("benchmark/results/quality_master_choice.jsonl")
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -119,6 +127,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "the sweep")
     groups.add_argument("--group-probes", type=_ints, default=(1,),
                         help="shared probes to measure: members per shared segment that probe it")
+    groups.add_argument("--master-choice", action="store_true",
+                        help="measure which copy of a shared segment to keep as its Master (author's vs a "
+                             "member's) instead of the sweep")
     server = p.add_argument_group("server mode")
     server.add_argument("--server", action="store_true",
                         help="measure through TokenDance servers vs a --disable-tokendance one instead of the sweep")
@@ -142,6 +153,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     server.add_argument("--server-max-total-tokens", type=int, default=8192,
                         help="--max-total-tokens of each started server (the prompts are short; keeps memory low)")
     args = p.parse_args(argv)
+    if args.server + args.groups + args.master_choice > 1:
+        p.error("choose one of --server, --groups and --master-choice")
     if not 1 <= args.decode_steps <= 64:
         p.error(f"--decode-steps must be in [1, 64], got {args.decode_steps}")
     return args
@@ -164,14 +177,6 @@ def config_from(args: argparse.Namespace) -> QualityConfig:
                          block_words=args.block_words, seed=args.seed)
 
 
-def timed_setting(config: QualityConfig) -> Setting:
-    """The server's default rule and ratio at the sweep's deepest check layer, with the
-    sweep's screen (the server's default setting, in the default sweep)."""
-    d = TokenDanceArgs()
-    deepest = max(config.check_layers)
-    return Setting(d.selection, d.recompute_ratio, deepest, config.screen_layer * (config.screen_layer < deepest))
-
-
 def server_config_from(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(settings=args.server_settings, workloads=args.server_workloads,
                         chunked_prefill=args.chunked_prefill_size, prompts_per_n=args.prompts_per_n,
@@ -192,9 +197,11 @@ def main(argv: list[str] | None = None) -> None:
         args.model_path = str(prepared_default_model())
     runner = QualityRunner(args.model_path)
     command = report.command_line("sglang_tokendance.bench_quality", argv)
-    out = args.output_file or (DEFAULT_SERVER_OUTPUT if args.server else DEFAULT_GROUPS_OUTPUT if args.groups
-                               else DEFAULT_OUTPUT)
-    (run_server if args.server else run_groups if args.groups else run_sweep)(args, runner, out, command)
+    mode = next((m for m in ("server", "groups", "master_choice") if getattr(args, m)), "sweep")
+    out = args.output_file or {"server": DEFAULT_SERVER_OUTPUT, "groups": DEFAULT_GROUPS_OUTPUT,
+                               "master_choice": DEFAULT_MASTER_OUTPUT, "sweep": DEFAULT_OUTPUT}[mode]
+    {"server": run_server, "groups": run_groups, "master_choice": run_master_choice,
+     "sweep": run_sweep}[mode](args, runner, out, command)
     print(out.with_suffix(".md").read_text())
 
 
@@ -204,7 +211,7 @@ def run_sweep(args: argparse.Namespace, runner: QualityRunner, out: Path, comman
     samples = measure_prompts(runner, config)
     rows = summarize(samples)
     divergence = measure_divergence(runner, config) if config.simulation_rounds > 0 else []
-    timing = [prefill_timing(runner, config, timed_setting(config), n) for n in config.num_agents]
+    timing = [prefill_timing(runner, config, default_setting(config), n) for n in config.num_agents]
 
     records = [{"kind": "sample", **s} for s in sample_dicts(samples)]
     records += [{"kind": "summary", **r} for r in rows]
@@ -217,8 +224,8 @@ def run_sweep(args: argparse.Namespace, runner: QualityRunner, out: Path, comman
     sections += [(f"N = {n}: mean over agents", report.markdown_table([r for r in rows if r["agents"] == n], columns))
                  for n in config.num_agents]
     windows = [(a, min(a + 3, config.decode_steps)) for a in range(1, config.decode_steps + 1, 4)]
-    by_step = decode_kl_by_step(samples, timed_setting(config).label, windows)
-    sections.append((f"Decode-step KL by step at {timed_setting(config).label} (mean over agents)",
+    by_step = decode_kl_by_step(samples, default_setting(config).label, windows)
+    sections.append((f"Decode-step KL by step at {default_setting(config).label} (mean over agents)",
                      report.markdown_table(by_step, ["agents", *[f"steps {a}-{b}" for a, b in windows]])))
     if divergence:
         sections.append((f"Rounds to first divergence ({config.simulation_agents} agents, "
@@ -312,6 +319,75 @@ def plot_groups(path: Path, rows: list[dict], config: QualityConfig) -> None:
                                        hline=plain if metric == "decode_kl" else None,
                                        hline_label="plain reuse (r=0)", logy=logy))
     report.plot_panels(path, f"Round groups (first {config.decode_steps} decode steps)", panels)
+
+
+def run_master_choice(args: argparse.Namespace, runner: QualityRunner, out: Path, command: str) -> None:
+    """Master-choice mode: JSONL, Markdown, plot."""
+    config = config_from(args)
+    samples = measure_master_choice(runner, config)
+    rows = summarize(samples)
+    versus = master_versus(rows)
+    report.write_jsonl(out, [{"kind": "master_sample", **s} for s in sample_dicts(samples)]
+                       + [{"kind": "master_summary", **r} for r in rows]
+                       + [{"kind": "master_versus", **v} for v in versus])
+    columns = ["agents", "setting", "master", "recomputed_share", "work", "first_kl", "decode_kl", "decode_kl_max",
+               "top1", "top5", "common_prefix"]
+    sections = [("Metrics", METRICS.format(steps=config.decode_steps) + MASTER_METRICS.format(
+                    setting=default_setting(config).label)),
+                ("Member copies vs the author's at the same N and setting (decode-step KL)",
+                 report.markdown_table(versus, ["agents", "setting", "master", "decode_kl", "author_decode_kl",
+                                                "kl_vs_author", "first_kl", "author_first_kl", "wins_10pct"]))]
+    sections += [(f"N = {n}: round 1, every agent in one batch (mean over agents)",
+                  report.markdown_table([r for r in rows if r["agents"] == n], columns)) for n in config.num_agents]
+    report.write_markdown(out.with_suffix(".md"), "Which copy of a segment to keep as its Master (SmolLM2-135M)",
+                          command, sections)
+    if not args.no_plot:
+        plot_master_choice(out.with_suffix(".png"), rows, config)
+
+
+MASTER_METRICS = """
+
+Round 0: the N agents of one All-Gather round read the seed messages (each cached after its
+author's own prompt: the author's Master) in one round group at {setting}; each member's
+prefill leaves a copy of every message (the Master with the member's kept tokens recomputed).
+Round 1: the next round's prompts (their own orders and instructions) read the same messages at
+other offsets, in one round group, with each message's Master `author` (the author's copy),
+`medoid` (the member copy with the least summed squared K and V deviation from the other
+members' copies, each layer normalised) or `first-reader` (the first member's copy in batch
+order); `plain` rows isolate the Master's own quality. Every member recomputes r of its reused
+tokens whichever copy is kept, so storage is equal: quality decides. `wins_10pct`: decode KL
+more than 10% below the author's."""
+
+
+def master_versus(rows: list[dict]) -> list[dict]:
+    """Each member-copy choice's KL beside the author's at the same N and setting."""
+    author = {(r["agents"], r["setting"]): r for r in rows if r["master"] == "author"}
+    out = []
+    for r in rows:
+        own = author.get((r["agents"], r["setting"]))
+        if r["master"] == "author" or own is None:
+            continue
+        ratio = r["decode_kl"] / own["decode_kl"] if own["decode_kl"] else None
+        out.append({"agents": r["agents"], "setting": r["setting"], "master": r["master"],
+                    "decode_kl": r["decode_kl"], "author_decode_kl": own["decode_kl"], "kl_vs_author": ratio,
+                    "first_kl": r["first_kl"], "author_first_kl": own["first_kl"],
+                    "wins_10pct": ratio is not None and ratio < 0.9})
+    return out
+
+
+def plot_master_choice(path: Path, rows: list[dict], config: QualityConfig) -> None:
+    """Decode-step and first-token KL vs N, one line per Master choice and setting."""
+    panels = []
+    for metric, what in (("decode_kl", f"first {config.decode_steps} decode steps"),
+                         ("first_kl", "first output token")):
+        series: dict[str, tuple[list[float], list[float]]] = {}
+        for master in MASTER_CHOICES:
+            for r in sorted((r for r in rows if r["master"] == master), key=lambda r: r["agents"]):
+                xs, ys = series.setdefault(f"{master}, {r['setting']}", ([], []))
+                xs.append(r["agents"])
+                ys.append(r[metric])
+        panels.append(report.Panel(what, "agents N", "mean KL (log)", series, logy=True))
+    report.plot_panels(path, "Round 1 read the segments' Masters: author's copy vs a member's", panels)
 
 
 SERVER_MEASURES = """Truncated KL (`tkl`): KL(reference || blended) over the reference's top-{k} tokens plus "any other

@@ -23,6 +23,11 @@ The oracle rule scores tokens by their true KV deviation from the full prefill (
 Round groups (`measure_groups`): every agent's prompt of one round in one extend batch, as the
 server's round policy admits them, under per-request selection, group-aligned selection and a
 shared probe (core/blend) at the same recompute ratios; the same measures per agent.
+
+Master choice (`measure_master_choice`): a round group leaves one copy of each segment it read
+per member (the Master with the member's kept tokens recomputed); the next round's agents read
+the segment from the author's copy or from a member's (the medoid of the copies, the first
+reader's), and the same measures tell which Master serves them best.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field, replace
 from itertools import takewhile
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 import torch
 from tqdm import tqdm
@@ -131,22 +136,35 @@ class Sample:
     group_selection: str = "per-request"
     group_probe: int = 0
     adopted_tokens: int = 0  # reused tokens that skipped the probe (shared probe)
+    master: str = "author"  # whose copy of each segment was read (MASTER_CHOICES)
+
+
+SegmentKV = tuple[torch.Tensor, torch.Tensor]  # a cached segment: K un-rotated, V [layers, n, kv_heads, d]
 
 
 class SegmentStore:
-    """Cached segments: hash -> (un-rotated K, V) [layers, n, kv_heads, d], first copy kept."""
+    """Cached segments (Masters): hash -> SegmentKV, the first copy added kept."""
 
     def __init__(self, spec: RopeSpec):
         self.spec = spec
-        self.entries: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.entries: dict[str, SegmentKV] = {}
 
     def add(self, segment_hash: str, kv: DenseKV, start: int, n: int) -> None:
         if segment_hash in self.entries or n <= 0:
             return
+        self.entries[segment_hash] = self.copy_of(kv, start, n)
+
+    def copy_of(self, kv: DenseKV, start: int, n: int) -> SegmentKV:
+        """Slots [start, start + n) of `kv` (slot = position) as a Master keeps them: K un-rotated."""
         at = torch.arange(start, start + n)
-        self.entries[segment_hash] = (torch.stack([unrotate(kv.k[layer, at], at, self.spec)
-                                                  for layer in range(kv.k.shape[0])]),
-                                      kv.v[:, at].clone())
+        return (torch.stack([unrotate(kv.k[layer, at], at, self.spec) for layer in range(kv.k.shape[0])]),
+                kv.v[:, at].clone())
+
+    def replaced(self, masters: dict[str, SegmentKV]) -> "SegmentStore":
+        """The same segments with the Masters of `masters` replaced."""
+        store = SegmentStore(self.spec)
+        store.entries = {**self.entries, **masters}
+        return store
 
     def place(self, prompt: SegmentedPrompt, kv: DenseKV) -> list[ReusedRun]:
         """Rotate every cached segment of `prompt` into its slots; return the reused runs (each
@@ -413,40 +431,77 @@ def group_settings(config: QualityConfig, probes: Sequence[int]) -> list[Setting
             for group, k in (("per-request", 0), ("aligned", 0), *(("aligned", k) for k in probes))]
 
 
-@torch.no_grad()
-def evaluate_group(runner: QualityRunner, prompts: Sequence[SegmentedPrompt], store: SegmentStore,
-                   config: QualityConfig, settings: Sequence[Setting]) -> list[Sample]:
-    """A round's prompts prefilled as one batch of one round group, plain reuse and every
-    setting; each agent's measures against its own full prefill. Token-layers are the batch's."""
-    rooms = [room_for(p, config) for p in prompts]
-    refs = [reference_of(runner, p.input_ids, config, room)[0] for p, room in zip(prompts, rooms)]
-    pooled, rows, base = runner.new_kv(sum(rooms)), [], 0
-    for prompt, room in zip(prompts, rooms):
-        kv = runner.new_kv(room)
-        runs = store.place(prompt, kv)
-        pooled.k[:, base:base + room], pooled.v[:, base:base + room] = kv.k, kv.v
-        rows.append(RequestRow(0, len(prompt.input_ids), torch.arange(base, base + room), runs, group="round"))
-        base += room
-    ids = torch.tensor([t for p in prompts for t in p.input_ids])
-    positions = torch.cat([torch.arange(len(p.input_ids)) for p in prompts])
-    ends = torch.tensor([len(p.input_ids) for p in prompts]).cumsum(0)
-    samples = []
-    for setting in (Setting(PLAIN), *settings):
-        kv = pooled.clone()
+class Member(NamedTuple):
+    """One member of a round group after the group's prefill: its last-token logits, its own KV
+    (slot = position), its stats (token-layers: the batch's; reused, kept and adopted tokens and
+    masks: its own) and its reused runs."""
+
+    logits: torch.Tensor
+    kv: DenseKV
+    stats: BlendStats
+    runs: list[ReusedRun]
+
+
+class GroupBatch:
+    """A round's prompts in one extend batch of one round group, as the server's round policy
+    admits them, every cached segment of `store` placed."""
+
+    def __init__(self, runner: QualityRunner, prompts: Sequence[SegmentedPrompt], store: SegmentStore,
+                 config: QualityConfig):
+        rooms = [room_for(p, config) for p in prompts]
+        self.pooled, self.rows, base = runner.new_kv(sum(rooms)), [], 0
+        for prompt, room in zip(prompts, rooms):
+            kv = runner.new_kv(room)
+            runs = store.place(prompt, kv)
+            self.pooled.k[:, base:base + room], self.pooled.v[:, base:base + room] = kv.k, kv.v
+            self.rows.append(RequestRow(0, len(prompt.input_ids), torch.arange(base, base + room), runs,
+                                        group="round"))
+            base += room
+        self.ids = torch.tensor([t for p in prompts for t in p.input_ids])
+        self.positions = torch.cat([torch.arange(len(p.input_ids)) for p in prompts])
+        self.ends = torch.tensor([len(p.input_ids) for p in prompts]).cumsum(0)
+
+    @torch.no_grad()
+    def run(self, runner: QualityRunner, setting: Setting, options: BlendOptions) -> list[Member]:
+        """The batch's blended prefill at `setting`; every member, in batch order."""
+        kv = self.pooled.clone()
         rule = None if setting.rule == PLAIN else rule_named(setting.rule)
-        hidden, stats = blended_prefill(runner.model, kv, ids, positions, rows, setting.options(config.options), rule)
-        logits = runner.model.logits(hidden[ends - 1])
-        reused = [sum(run.end - run.start for run in row.reused) for row in rows]
-        kept = [0] * len(rows) if stats.kept is None else [int(k.sum()) for k in stats.kept.split(reused)]
-        adopted = [0] * len(rows) if stats.adopted is None else [int(a.sum()) for a in stats.adopted.split(reused)]
-        for agent, (prompt, ref, row) in enumerate(zip(prompts, refs, rows)):
+        hidden, stats = blended_prefill(runner.model, kv, self.ids, self.positions, self.rows, setting.options(options),
+                                        rule)
+        logits = runner.model.logits(hidden[self.ends - 1])
+        reused = [sum(run.end - run.start for run in row.reused) for row in self.rows]
+
+        def split(mask: torch.Tensor | None) -> Sequence[torch.Tensor | None]:
+            return [None] * len(reused) if mask is None else mask.split(reused)
+
+        members = []
+        for row, n, kept, adopted, row_logits in zip(self.rows, reused, split(stats.kept), split(stats.adopted),
+                                                      logits):
             own = runner.new_kv(row.slots.numel())
-            own.k, own.v = kv.k[:, row.slots].clone(), kv.v[:, row.slots].clone()
-            own_stats = replace(stats, reused_tokens=reused[agent], kept_tokens=kept[agent],
-                                adopted_tokens=adopted[agent])
-            samples.append(sample_of(runner, ref, prompt.input_ids, config, setting, logits[agent], own, own_stats,
-                                     len(prompts), agent))
-    return samples
+            own.k, own.v = kv.k[:, row.slots], kv.v[:, row.slots]
+            own_stats = replace(stats, reused_tokens=n, kept=kept, kept_tokens=0 if kept is None else int(kept.sum()),
+                                adopted=adopted, adopted_tokens=0 if adopted is None else int(adopted.sum()))
+            members.append(Member(row_logits, own, own_stats, list(row.reused)))
+        return members
+
+
+def group_references(runner: QualityRunner, prompts: Sequence[SegmentedPrompt], config: QualityConfig
+                     ) -> list[Reference]:
+    """Each prompt's full prefill (its reference measures)."""
+    return [reference_of(runner, p.input_ids, config, room_for(p, config))[0] for p in prompts]
+
+
+@torch.no_grad()
+def evaluate_group(runner: QualityRunner, prompts: Sequence[SegmentedPrompt], refs: Sequence[Reference],
+                   store: SegmentStore, config: QualityConfig, settings: Sequence[Setting]) -> list[Sample]:
+    """A round's prompts prefilled as one batch of one round group, plain reuse and every
+    setting; each agent's measures against its own full prefill (`refs`). Token-layers are the batch's."""
+    batch = GroupBatch(runner, prompts, store, config)
+    return [sample_of(runner, ref, prompt.input_ids, config, setting, member.logits, member.kv, member.stats,
+                      len(prompts), agent)
+            for setting in (Setting(PLAIN), *settings)
+            for agent, (prompt, ref, member) in enumerate(zip(prompts, refs, batch.run(runner, setting,
+                                                                                     config.options)))]
 
 
 def measure_groups(runner: QualityRunner, config: QualityConfig, probes: Sequence[int] = (1,)) -> list[Sample]:
@@ -457,8 +512,77 @@ def measure_groups(runner: QualityRunner, config: QualityConfig, probes: Sequenc
         sim = make_simulation(_workload(config, n, rounds=1))
         store = runner.seed_store(sim)
         prompts = [runner.agent_prompt(sim, i, 0, sim.seed_messages) for i in range(n)]
-        samples.extend(evaluate_group(runner, prompts, store, config, settings))
+        samples.extend(evaluate_group(runner, prompts, group_references(runner, prompts, config), store, config,
+                                      settings))
     return samples
+
+
+MASTER_CHOICES = ("author", "medoid", "first-reader")
+
+
+def default_setting(config: QualityConfig) -> Setting:
+    """The server's default rule and ratio at the sweep's deepest check layer, with the
+    sweep's screen (the server's default setting, in the default sweep)."""
+    d = TokenDanceArgs()
+    deepest = max(config.check_layers)
+    return Setting(d.selection, d.recompute_ratio, deepest, config.screen_layer * (config.screen_layer < deepest))
+
+
+def segment_copies(store: SegmentStore, members: Sequence[Member]) -> dict[str, list[SegmentKV]]:
+    """Each reused segment's member copies, in batch order: a member's KV at the segment's
+    positions after its prefill (its Mirror: the Master with its kept tokens recomputed), in
+    the Master's position-agnostic form. A run cut short by its prompt's end is no copy."""
+    copies: dict[str, list[SegmentKV]] = {}
+    for member in members:
+        for run in member.runs:
+            if run.end - run.start == store.entries[run.segment][0].shape[1]:
+                copies.setdefault(run.segment, []).append(store.copy_of(member.kv, run.start, run.end - run.start))
+    return copies
+
+
+def medoid(copies: Sequence[SegmentKV]) -> int:
+    """The index of the copy (K, V [layers, n, kv_heads, d]) with the least summed squared
+    deviation from the others, K and V over every layer, each layer's deviations normalised by
+    their mean so that no layer dominates (squared: the mean of the others, were it a copy, wins)."""
+    kv = torch.stack([torch.cat([k.flatten(1), v.flatten(1)], 1) for k, v in copies], 1)  # [layers, copies, D]
+    dev = torch.cdist(kv.double(), kv.double()).pow(2)  # [layers, copies, copies]
+    dev = dev / dev.mean((1, 2), keepdim=True).clamp_min(1e-30)
+    return int(dev.sum((0, 2)).argmin())
+
+
+def master_stores(author: SegmentStore, copies: dict[str, list[SegmentKV]]
+                  ) -> dict[str, SegmentStore]:
+    """The segments under each Master choice (MASTER_CHOICES): the author's copy, each
+    segment's medoid member copy, its first reader's copy (batch order)."""
+    return {"author": author, "medoid": author.replaced({h: c[medoid(c)] for h, c in copies.items()}),
+            "first-reader": author.replaced({h: c[0] for h, c in copies.items()})}
+
+
+@torch.no_grad()
+def evaluate_master_choice(runner: QualityRunner, sim: Simulation, config: QualityConfig, setting: Setting
+                           ) -> list[Sample]:
+    """Which copy of a segment to keep as its Master. Round 0: every agent reads the seed
+    messages (Masters: the authors') in one round group at `setting`, leaving a copy of each
+    per member. Round 1: the next round's prompts (its orders and instructions) read the same
+    messages at other offsets, as one round group under each Master choice, at plain reuse
+    and `setting`; each agent against its own full prefill (samples' `master`)."""
+    author = runner.seed_store(sim)
+    agents = range(len(sim.agents))
+    first = [runner.agent_prompt(sim, i, 0, sim.seed_messages) for i in agents]
+    members = GroupBatch(runner, first, author, config).run(runner, setting, config.options)
+    stores = master_stores(author, segment_copies(author, members))
+    prompts = [runner.agent_prompt(sim, i, 1, sim.seed_messages) for i in agents]
+    refs = group_references(runner, prompts, config)
+    return [replace(s, master=choice)
+            for choice, store in tqdm(stores.items(), desc=f"Masters N={len(agents)}", unit="choice", leave=False)
+            for s in evaluate_group(runner, prompts, refs, store, config, [setting])]
+
+
+def measure_master_choice(runner: QualityRunner, config: QualityConfig) -> list[Sample]:
+    """evaluate_master_choice at every N of the sweep, at default_setting."""
+    return [s for n in tqdm(config.num_agents, desc="master choice", unit="N")
+            for s in evaluate_master_choice(runner, make_simulation(_workload(config, n, rounds=2)), config,
+                                            default_setting(config))]
 
 
 def screened_setting(config: QualityConfig, ratio: float) -> Setting | None:
@@ -570,17 +694,17 @@ def _workload(config: QualityConfig, agents: int, rounds: int):
 
 
 def summarize(samples: Iterable[Sample]) -> list[dict]:
-    """Means over agents per (N, setting)."""
+    """Means over agents per (N, setting, Master choice)."""
     groups: dict[tuple, list[Sample]] = {}
     for s in samples:
-        groups.setdefault((s.agents, s.setting), []).append(s)
+        groups.setdefault((s.agents, s.setting, s.master), []).append(s)
     rows = []
-    for (agents, setting), group in groups.items():
+    for (agents, setting, master), group in groups.items():
         n = len(group)
         reused = sum(s.reused_tokens for s in group)
         decode = [s.decode_kl for s in group if s.decode_kl is not None]
         rows.append({
-            "agents": agents, "setting": setting, "rule": group[0].rule, "ratio": group[0].ratio,
+            "agents": agents, "setting": setting, "master": master, "rule": group[0].rule, "ratio": group[0].ratio,
             "check_layer": group[0].check_layer, "screen_layer": group[0].screen_layer,
             "group_selection": group[0].group_selection, "group_probe": group[0].group_probe,
             "adopted_share": sum(s.adopted_tokens for s in group) / max(reused, 1),
