@@ -108,8 +108,8 @@ def test_aborts_mid_prefill_leave_nothing_behind(server):
 def test_many_mirrors_hold_more_kv_positions_than_the_pool_and_all_finish(server):
     """Twelve agents reading three blocks each need about 2.5x the pool as dense copies; read in
     place, more row positions are live at once than the pool has slots, and every request
-    finishes. Whether SGLang also retracts some depends on its admission estimate: not asserted
-    (it did not in 2 of 5 runs)."""
+    finishes. Whether SGLang also retracts some depends on its admission estimate, so it is
+    not asserted here (the retracting server below retracts Mirrors deterministically)."""
     cache_every_block(server)
     peak, done = [0], threading.Event()
 
@@ -123,7 +123,7 @@ def test_many_mirrors_hold_more_kv_positions_than_the_pool_and_all_finish(server
     watcher.start()
     try:
         with ThreadPoolExecutor(12) as pool:
-            outs = list(pool.map(lambda a: post(server, agent_prompt(a, 3), 320, ignore_eos=True), range(12)))
+            outs = list(pool.map(lambda a: post(server, agent_prompt(a, 3), 160, ignore_eos=True), range(12)))
     finally:
         done.set()
         watcher.join()
