@@ -198,6 +198,7 @@ class SegmentForest(RadixCache):
         self.planned.clear()
         if not self.caches_segments:
             return
+        copying = not self.zero_copy and not self.blend.keeps_everything  # ratio 1 never reads a copy
         src, dst, positions = [], [], []
         for req in batch.reqs:
             state = self._state_of(req)
@@ -209,13 +210,13 @@ class SegmentForest(RadixCache):
                 continue
             plan.pool_index = req.kv.req_pool_idx
             self.planned[plan.pool_index] = plan
+            if not (self.zero_copy or copying):
+                continue
             row = self.req_to_token_pool.req_to_token[plan.pool_index]
             masters = [run.entry.slots[run.segment_offset:run.segment_offset + run.end - run.start]
                        for run in plan.runs]
             if self.zero_copy:
                 self._point_at_masters(plan, row, torch.cat(masters))
-                continue
-            if self.blend.keeps_everything:
                 continue
             src += masters
             dst += [row[run.start:run.end].to(torch.int64) for run in plan.runs]
