@@ -104,7 +104,9 @@ def test_keys_rotated_on_read_equal_keys_stored_rotated():
     want, _ = batch.run()
     for row in batch.rows:
         batch.keys[row] = unrotate(batch.keys[row], torch.arange(row.numel()), spec)  # the store un-rotated...
-    got, _ = batch.run(key_transform=lambda k, pos: rotate(k.flatten(0, 1), pos.repeat(k.shape[0]), spec).view_as(k))
+    by_row_position = lambda k: rotate(k.flatten(0, 1), torch.arange(k.shape[1]).repeat(k.shape[0]),  # noqa: E731
+                                       spec).view_as(k)
+    got, _ = batch.run(key_transform=by_row_position)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)  # ...and rotated back on read
 
 

@@ -18,7 +18,7 @@ per-request attention costs, plus padding.
 
 `attend` also takes the seams the blended prefill needs: `overlay` KV for tokens whose KV
 must not reach the pool yet (the probe's, for reused tokens: their cached KV stays there),
-an optional `key_transform` of the gathered keys by their positions (RoPE on read, for K
+an optional `key_transform` of the gathered keys by their row positions (RoPE on read, for K
 stored un-rotated), and the attention mass the grid's queries pay chosen keys, from the same
 pass's log-sum-exp.
 """
@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 CAUSAL_SHARE = 2 / 3  # computed share of its row above which a request runs causal by index
-KeyTransform = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (k [B, Lk, kv_heads, d], positions [Lk])
+KeyTransform = Callable[[torch.Tensor], torch.Tensor]  # k [B, Lk, kv_heads, d], key j at row position j
 
 
 @dataclass(frozen=True)
@@ -144,7 +144,7 @@ def attend(grid: Grid, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: 
         kg.view(rows * lk, *kg.shape[2:])[grid.overlay_index] = k[grid.overlay_tokens]
         vg.view(rows * lk, *vg.shape[2:])[grid.overlay_index] = v[grid.overlay_tokens]
     if key_transform is not None:
-        kg = key_transform(kg, torch.arange(lk, device=kg.device))
+        kg = key_transform(kg)
     qg = q.new_zeros(rows * lq, *q.shape[1:])
     qg[grid.index] = q[grid.tokens]
     qg, kg, vg = qg.view(rows, lq, *q.shape[1:]).transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2)

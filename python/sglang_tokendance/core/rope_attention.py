@@ -70,11 +70,12 @@ class RopeOnRead:
         _, _, _, _, c, s = self._tables_for(longest, k.device)
         return self._turn(k, c[positions, None], s[positions, None])
 
-    def __call__(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """core/attention's KeyTransform: gathered rows k [B, Lk, kv_heads, d], key j at row
-        position positions[j] (< Lk)."""
-        _, _, c, s, _, _ = self._tables_for(k.shape[1], k.device)
-        return self._turn(k, c[positions, None], s[positions, None])
+    def __call__(self, k: torch.Tensor) -> torch.Tensor:
+        """core/attention's KeyTransform: gathered rows k [..., Lk, kv_heads, d], key j read at
+        row position j."""
+        length = k.shape[-3]
+        _, _, c, s, _, _ = self._tables_for(length, k.device)
+        return self._turn(k, c[:length, None], s[:length, None])
 
     def _turn(self, k: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         kf = k.float()  # in place on the product: out-of-place addcmul broadcasts far slower on the CPU
