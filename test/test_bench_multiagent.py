@@ -134,20 +134,22 @@ def test_error_answers_fail_loudly(fake):
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory) -> str:
-    """A random-weight model (4 layers: below TokenDance's default check layer, so stock modes
-    only): the CLI's servers start and answer fast (what is checked is the CLI)."""
+    """A random-weight model deep enough for TokenDance's default check layer: the CLI's
+    servers, stock and ours, start and answer fast (what is checked is the CLI)."""
+    from sglang_tokendance.server_args import TokenDanceArgs
     from sglang_tokendance.tiny_models import write_tiny_model
 
-    return str(write_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama"))
+    return str(write_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama",
+                                num_layers=TokenDanceArgs().check_layer + 2))
 
 
 @pytest.mark.slow
-def test_cli_compares_stock_radix_and_tokendance(tmp_path, smollm2_path):
+def test_cli_compares_stock_radix_and_tokendance(tmp_path, tiny_llama):
     from sglang_tokendance import bench_multiagent
 
     out = tmp_path / "ma.jsonl"
     bench_multiagent.main(["--modes", "radix,tokendance", "--num-agents", "2", "--num-rounds", "2",
-                           "--max-new-tokens", "4", "--output-file", str(out)])
+                           "--model-path", tiny_llama, "--max-new-tokens", "4", "--output-file", str(out)])
     records = [json.loads(line) for line in out.read_text().splitlines()]
     summaries = {r["mode"]: r for r in records if r["type"] == "summary"}
     assert set(summaries) == {"radix", "tokendance"}

@@ -47,12 +47,15 @@ def tiny_config(arch: str):
     raise ValueError(f"unknown tiny model architecture {arch!r}; use one of {TINY_ARCHITECTURES}")
 
 
-def write_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0) -> Path:
-    """Write a random-weight fp32 checkpoint of `arch` to `path` (deterministic in `seed`)."""
+def write_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0, num_layers: int | None = None) -> Path:
+    """Write a random-weight fp32 checkpoint of `arch` to `path` (deterministic in `seed`);
+    `num_layers` replaces the tiny depth (4, below TokenDance's default check layer)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     config = tiny_config(arch)
+    if num_layers is not None:
+        config.num_hidden_layers = num_layers
     config.dtype = "float32"
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
