@@ -375,3 +375,38 @@ def test_a_master_shared_with_the_tree_is_counted_once_and_outlives_the_trees_le
     assert 64 - allocator.available_size() == forest.evictable_size()
     forest.reset()
     assert not forest.segments.entries
+
+
+def test_allocating_a_batch_evicts_the_segments_it_will_read_last():
+    """A round admitted at once on a short pool: SGLang's allocation may evict (inside the
+    AROUND hook on prepare_for_extend); the segment the batch reads goes only after every
+    other evictable item, and still goes when nothing else is left (SGLang's budget holds)."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    from sglang_tokendance.srt.forest import restore_after_allocation
+
+    forest = mirror_forest()
+    allocator = forest.token_to_kv_pool_allocator
+    for name, accessed in (("read", 1.0), ("other", 2.0)):  # the one the batch reads is used least recently
+        author = allocator.alloc(12)
+        forest._cache_segment(((None, None), name), list(range(100, 112)), author.to(torch.int32), 0, 12)
+        allocator.free(author)
+        forest.segments.entries[((None, None), name)].last_access_time = accessed
+    add_leaf(forest, [7, 8, 9, 10], int(allocator.alloc(4)[0]), accessed=0.5, created=0.5)
+    evicted = []
+
+    def prepare_for_extend(batch, wanted: int):
+        evicted.append(forest.evict(EvictParams(num_tokens=wanted)).num_tokens_evicted)
+        return "allocated"
+
+    req = reading_req(forest, 1, [SegmentSpan(2, 14, "read")], 20)
+    batch = SimpleNamespace(reqs=[req], tree_cache=forest)
+    assert restore_after_allocation(prepare_for_extend, batch, 12) == "allocated"
+    assert evicted == [4 + 12] and list(forest.segments.entries) == [((None, None), "read")]  # leaf, then other
+    assert [run.entry.key for run in forest.planned[1].runs] == [((None, None), "read")] and not forest.wanted
+    forest.settle(forest.planned.pop(1), None)
+    release(forest, req, 20)
+
+    req = reading_req(forest, 1, [SegmentSpan(2, 14, "read")], 20)
+    restore_after_allocation(prepare_for_extend, SimpleNamespace(reqs=[req], tree_cache=forest), 1000)
+    assert evicted[-1] == 12 and not forest.segments.entries and 1 not in forest.planned  # nothing else left

@@ -21,8 +21,9 @@ Two storages (the pool's K form, srt/kv_copy.PoolKeys):
   After the blended prefill (`settle`) a reused token it recomputed takes its own slot back
   (the Mirror's diff); the others' own slots are freed. Each owner frees its own reference.
 
-Reuse happens after SGLang allocates a batch's slots (`restore_segments`, an AFTER hook on
-ScheduleBatch.prepare_for_extend): each request's chunk is planned (srt/reuse.py) and its
+Reuse happens after SGLang allocates a batch's slots (`restore_segments`, an AROUND hook on
+ScheduleBatch.prepare_for_extend, which also ranks the segments the batch will read last in
+the allocation's eviction): each request's chunk is planned (srt/reuse.py) and its
 reused positions restored as above; the model forward (srt/forward_hook.py) then runs the
 blended prefill on the plans. A request's approximate KV never enters the tree, in any chunk:
 it publishes only the part before its first reused token, and caches only segments that end
@@ -33,11 +34,12 @@ Output registration: srt/output_registration.py. Metrics: srt/metrics.py.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import logging
 import time
-from typing import Callable, Hashable
+from typing import Callable, Hashable, Iterator
 
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult
@@ -76,6 +78,7 @@ class SegmentForest(RadixCache):
         self.segments = SegmentTable()
         self.requests: dict[object, RequestReuse] = {}  # SGLang's Req -> its reuse, until released
         self.planned: dict[int, ChunkPlan] = {}  # req_pool_idx -> its plan for the coming forward
+        self.wanted: set[int] = set()  # ids of the segments the batch being allocated will read
         # Master-Mirror storage: K un-rotated in the pool, so rows read Masters' slots in place
         self.zero_copy = keys is not None and not keys.rotated  # set first: SGLang's __init__ resets (counts)
         super().__init__(params)
@@ -184,6 +187,19 @@ class SegmentForest(RadixCache):
         self.segments.insert(key, slots, ids)
 
     # --- reuse ------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def keeping_wanted(self, batch) -> Iterator[None]:
+        """While SGLang allocates a batch's slots (evicting if the pool is short), before its
+        chunks are planned: the segments those chunks will read are evicted last, only when
+        nothing else is left to free, so a round admitted at once keeps the blocks it reads
+        (SGLang's budget is unchanged: every segment stays evictable)."""
+        self.wanted = {id(entry) for req in batch.reqs if (state := self._state_of(req)) is not None
+                       for entry in state.cached_in(self.segments, req.prefix_len, req.extend_end)}
+        try:
+            yield
+        finally:
+            self.wanted = set()
 
     def restore_segments(self, batch) -> None:
         """Plan every request's chunk and give its reused positions their segments' KV.
@@ -339,18 +355,20 @@ class SegmentForest(RadixCache):
     def evict(self, params: EvictParams) -> EvictResult:
         """SGLang's leaf eviction with the segments in the same heap: each step frees the item
         the eviction strategy ranks first, leaf or segment (O(log n) per item), until enough
-        tokens are free or nothing evictable is left."""
+        tokens are free or nothing evictable is left. Segments the batch being allocated will
+        read (`keeping_wanted`) come after everything else."""
         if self.disable:
             return EvictResult()
         start_time = time.perf_counter()
         order = itertools.count()  # ties never compare nodes
         priority = self.eviction_strategy.get_priority
-        heap = [(priority(n), next(order), n) for n in self.evictable_leaves]
-        heap += [(priority(e), next(order), e) for e in self.segments.entries.values() if not e.readers]
+        heap = [(False, priority(n), next(order), n) for n in self.evictable_leaves]
+        heap += [(id(e) in self.wanted, priority(e), next(order), e)
+                 for e in self.segments.entries.values() if not e.readers]
         heapq.heapify(heap)
         evicted = 0
         while evicted < params.num_tokens and heap:
-            _, _, item = heapq.heappop(heap)
+            *_, item = heapq.heappop(heap)
             if isinstance(item, SegmentEntry):
                 evicted += self._freed_by(lambda: self._drop_master(self.segments.remove(item)), len(item))
                 continue
@@ -358,7 +376,7 @@ class SegmentForest(RadixCache):
                                       len(item.value))
             self._delete_leaf(item)
             if len(item.parent.children) == 0 and item.parent.lock_ref == 0:
-                heapq.heappush(heap, (priority(item.parent), next(order), item.parent))
+                heapq.heappush(heap, (False, priority(item.parent), next(order), item.parent))
             self.kv_events.record_remove(item)
         self.update_eviction_metrics(evicted, start_time)
         self.metrics.update_held()
@@ -468,10 +486,15 @@ def group_key(req) -> Hashable | None:
     return None if policy.ACTIVE is None or (group := policy.ACTIVE.round_of(req)) is None else group.key
 
 
-def restore_after_allocation(result, batch, *unused, **unused_kw):
-    """AFTER hook on ScheduleBatch.prepare_for_extend: slots are final, the forward is next."""
-    if isinstance(batch.tree_cache, SegmentForest):
-        batch.tree_cache.restore_segments(batch)
+def restore_after_allocation(prepare_for_extend, batch, *args, **kwargs):
+    """AROUND hook on ScheduleBatch.prepare_for_extend: SGLang allocates the batch's slots
+    keeping the segments it will read, then (slots final, the forward next) they are restored."""
+    forest = batch.tree_cache
+    if not isinstance(forest, SegmentForest):
+        return prepare_for_extend(batch, *args, **kwargs)
+    with forest.keeping_wanted(batch):
+        result = prepare_for_extend(batch, *args, **kwargs)
+    forest.restore_segments(batch)
     return result
 
 

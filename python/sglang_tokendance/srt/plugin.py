@@ -57,7 +57,7 @@ def _register_forest() -> None:
     )
     HookRegistry.register(
         "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend",
-        forest.restore_after_allocation, HookType.AFTER,
+        forest.restore_after_allocation, HookType.AROUND,
     )
     for target in FORWARD_HOOK_TARGETS:
         HookRegistry.register(target, forward_hook.model_forward, HookType.AROUND)

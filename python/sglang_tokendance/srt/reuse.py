@@ -117,6 +117,15 @@ class RequestReuse:
     def key(self, segment_hash: str) -> Hashable:
         return (self.namespace, segment_hash)
 
+    def cached_in(self, table: SegmentTable, prefix_len: int, extend_end: int) -> list[SegmentEntry]:
+        """The cached segments the chunk [prefix_len, extend_end) would read, before it is
+        planned (nothing counted, no entry touched)."""
+        if not self.can_reuse:
+            return []
+        entries = (table.entries.get(self.key(span.hash)) for span in self.spans
+                   if span.start < extend_end and span.end > prefix_len)
+        return [entry for entry in entries if entry is not None]
+
     def plan_chunk(self, table: SegmentTable, prefix_len: int, extend_end: int,
                    group: Hashable | None = None) -> ChunkPlan:
         """Look the chunk [prefix_len, extend_end) up: every span piece in it whose segment is
