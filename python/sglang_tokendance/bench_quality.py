@@ -211,7 +211,8 @@ def run_sweep(args: argparse.Namespace, runner: QualityRunner, out: Path, comman
     samples = measure_prompts(runner, config)
     rows = summarize(samples)
     divergence = measure_divergence(runner, config) if config.simulation_rounds > 0 else []
-    timing = [prefill_timing(runner, config, default_setting(config), n) for n in config.num_agents]
+    default = default_setting(config)
+    timing = [prefill_timing(runner, config, default, n) for n in config.num_agents]
 
     records = [{"kind": "sample", **s} for s in sample_dicts(samples)]
     records += [{"kind": "summary", **r} for r in rows]
@@ -224,8 +225,8 @@ def run_sweep(args: argparse.Namespace, runner: QualityRunner, out: Path, comman
     sections += [(f"N = {n}: mean over agents", report.markdown_table([r for r in rows if r["agents"] == n], columns))
                  for n in config.num_agents]
     windows = [(a, min(a + 3, config.decode_steps)) for a in range(1, config.decode_steps + 1, 4)]
-    by_step = decode_kl_by_step(samples, default_setting(config).label, windows)
-    sections.append((f"Decode-step KL by step at {default_setting(config).label} (mean over agents)",
+    by_step = decode_kl_by_step(samples, default.label, windows)
+    sections.append((f"Decode-step KL by step at {default.label} (mean over agents)",
                      report.markdown_table(by_step, ["agents", *[f"steps {a}-{b}" for a, b in windows]])))
     if divergence:
         sections.append((f"Rounds to first divergence ({config.simulation_agents} agents, "
