@@ -77,7 +77,7 @@ def assert_no_leak(url: str, timeout: float = 20.0) -> None:
         if stats is None:
             return
         used = stats["pool_tokens"] - stats["free_tokens"]
-        owned = stats["tree_evictable_tokens"] + stats["segment_only_tokens"]
+        owned = stats["tree_tokens"] + stats["segment_only_tokens"]
         quiet = stats["tree_protected_tokens"] == 0 and stats["live_requests"] == 0 and stats["pinned_segments"] == 0
         if (quiet and used == owned) or time.monotonic() > deadline:
             break

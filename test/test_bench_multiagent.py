@@ -100,6 +100,24 @@ def test_rounds_feed_outputs_forward(fake, mode):
     assert result.summary()["peak_kv_used_tokens"] == 7
 
 
+@pytest.mark.parametrize("mode", ["radix", "tokendance-kept"])
+def test_a_conversation_prompt_extends_the_agents_previous_prompt_and_answer(fake, mode):
+    fake.bodies.clear()
+    config = WorkloadConfig(**{**PRESETS["debate"].__dict__, "num_agents": 2, "num_rounds": 3, "conversation": True})
+    result = asyncio.run(run_load(fake.url, MODES[mode], config, 1, float("inf"), Progress()))
+    assert len(fake.bodies) == 6 and not result.errors
+    sim = make_simulation(config)
+    by_agent = {agent: [b for b in fake.bodies if b["text"].startswith(sim.agents[agent].history)] for agent in (0, 1)}
+    for agent, bodies in by_agent.items():
+        replies = [r.text for r in result.requests if r.agent == agent]
+        for before, after, reply in zip(bodies, bodies[1:], replies):
+            assert after["text"].startswith(before["text"] + (SEP if mode != "radix" else "") + reply)
+        options = [b.get("tokendance", {}).get("agent") for b in bodies]
+        assert options == ([None] * 3 if mode == "radix" else [options[0]] * 3)
+    if mode != "radix":  # one name per agent, never another's
+        assert by_agent[0][0]["tokendance"]["agent"] != by_agent[1][0]["tokendance"]["agent"]
+
+
 def test_failed_requests_are_counted_and_the_round_goes_on(fake):
     fake.bodies.clear()
     fake.fail_every = 4

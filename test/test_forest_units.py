@@ -279,7 +279,7 @@ def reading_req(forest, pool_index: int, spans: list[SegmentSpan], prompt_len: i
     req = Req(**vars(fake_req(spans, prompt_len)))
     for span in spans:
         req.origin_input_ids[span.start:span.end] = range(100, 100 + span.end - span.start)
-    req.__dict__.update(prefix_len=0, extend_end=prompt_len, lora_id=None, return_logprob=False,
+    req.__dict__.update(prefix_len=0, extend_end=prompt_len, last_node=None, lora_id=None, return_logprob=False,
                         logprob_start_len=-1, return_hidden_states=False, input_embeds=None,
                         multimodal_inputs=None, kv=SimpleNamespace(req_pool_idx=pool_index))
     forest.req_to_token_pool.req_to_token[pool_index, :prompt_len] = forest.token_to_kv_pool_allocator.alloc(
@@ -410,3 +410,54 @@ def test_allocating_a_batch_evicts_the_segments_it_will_read_last():
     req = reading_req(forest, 1, [SegmentSpan(2, 14, "read")], 20)
     restore_after_allocation(prepare_for_extend, SimpleNamespace(reqs=[req], tree_cache=forest), 1000)
     assert evicted[-1] == 12 and not forest.segments.entries and 1 not in forest.planned  # nothing else left
+
+
+def test_a_kept_row_is_matched_by_its_agent_alone_and_counted_once_per_slot():
+    """keep_for_agent: a finished row stays in the tree for its agent (no copy: one more
+    reference on each slot, the tree's counted once); only that agent's requests match it;
+    a row whose tokens the agent keeps with other slots is not kept; a lock keeps it from
+    eviction, and evicting it frees exactly the slots nobody else holds."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    forest = mirror_forest()
+    allocator = forest.token_to_kv_pool_allocator
+
+    def finished(agent: str | None, tokens: list[int], pool_index: int):
+        req = reading_req(forest, pool_index, [], len(tokens))
+        req.sampling_params.custom_params = fake_req([], 0, **({"agent": agent} if agent else {})).sampling_params \
+            .custom_params
+        req.__dict__.update(full_untruncated_fill_ids=array("q", tokens), priority=None)
+        return req
+
+    def matched(agent: str | None, tokens: list[int]) -> int:
+        asking = finished(agent, [], 3)
+        return forest.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens)), req=asking)).device_prefix_len
+
+    tokens = list(range(500, 520))
+    add_leaf(forest, tokens[:6], int(allocator.alloc(6)[0]), accessed=1.0, created=1.0)  # the exact prefix, public
+    row = finished("a", tokens, 1)
+    table = forest.req_to_token_pool.req_to_token
+    allocator.free(table[1, :6].to(torch.int64))  # as SGLang's checkpoint: the row now reads the tree's slots
+    table[1, :6] = forest.evictable_leaves.copy().pop().value.to(torch.int32)
+    forest.keep_for_agent(row, forest._state_of(row), 20)
+    allocator.free(table[1, 6:20].to(torch.int64))  # SGLang frees the row past its tree prefix
+    forest.on_release(row, checkpointed=True)  # its own slots 6..19 stay with the kept path
+    stats = forest.stats()
+    assert stats["agent_rows_kept"] == 1 and stats["tree_tokens"] == 20 == 64 - stats["free_tokens"]
+    assert forest.evictable_size() == 20  # slots 0..5 are held by two nodes, counted once
+    assert (matched("a", tokens + [1]), matched("b", tokens + [1]), matched(None, tokens + [1])) == (20, 6, 6)
+
+    other = finished("a", tokens[:10] + [7, 7], 2)  # the same first tokens, computed again into other slots
+    forest.keep_for_agent(other, forest._state_of(other), 12)
+    release(forest, other, 12)
+    assert forest.stats()["agent_rows_kept"] == 1 and 64 - allocator.available_size() == 20
+
+    asking = finished("a", [], 3)
+    node = forest.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens + [1])), req=asking)).last_device_node
+    forest.inc_lock_ref(node)
+    assert forest.evictable_size() == 0 and forest.protected_size() == 20
+    assert forest.evict(EvictParams(num_tokens=20)).num_tokens_evicted == 0
+    forest.dec_lock_ref(node)
+    assert forest.evict(EvictParams(num_tokens=20)).num_tokens_evicted == 20
+    assert allocator.available_size() == 64 and not allocator.refs.tree.any() and not allocator.refs.refs.any()

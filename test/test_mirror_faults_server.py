@@ -1,7 +1,8 @@
 """Zero-copy Master-Mirror storage inside a real server (SmolLM2, --tokendance-storage mirror,
 a KV pool far below the working set): live rows read the Masters' slots in place and own only
 their recomputed tokens; a pinned Master survives eviction pressure; aborts mid-prefill and
-mid-decode and /flush_cache leave no slot behind; more positions live than the pool has slots;
+mid-decode and /flush_cache leave no slot behind; an agent's kept Mirror continues its decode
+exactly; more positions live than the pool has slots;
 and, on a second server under SGLang's retraction test switch, Mirrors retracted mid-decode
 release their Masters and re-run to the clean answer (conftest's leak invariant after every
 test: each slot counted once, tree and Masters sharing slots)."""
@@ -103,6 +104,41 @@ def test_aborts_mid_prefill_leave_nothing_behind(server):
         response, _ = stream(server, {"text": agent_prompt(agent, 3), "sampling_params": {"max_new_tokens": 50}})
         response.close()  # gone before the first token
     assert post(server, agent_prompt(5, 2), 4)["meta_info"]["tokendance"]["segment_hits"] > 0
+
+
+def test_an_agents_kept_mirror_continues_exactly_where_its_decode_left_off(server, smollm2_path):
+    """A finished row is kept for its agent (`tokendance.agent`): a next prompt that extends it
+    with the first tokens the row decoded matches the whole row as a prefix and decodes the
+    very tokens the row decoded next (the same KV, approximate blocks included); another
+    agent's identical prompt matches only the exact prefix the shared tree holds."""
+    from transformers import AutoTokenizer
+
+    cache_every_block(server)
+    *context, reply = agent_prompt(3, 3).split(SEP)
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    reply_ids = tokenizer.encode(reply, add_special_tokens=False)
+    exact_len = len(tokenizer.encode(context[0]))  # the private text before the first block
+
+    def ask(agent: str, decoded: list[int], tokens: int) -> dict:
+        body = {"segments": [*context, reply_ids + decoded], "tokendance": {"agent": agent},
+                "sampling_params": {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}}
+        response = requests.post(server + "/generate", json=body, timeout=900)
+        response.raise_for_status()
+        return response.json()
+
+    kept_before = forest_stats(server)["agent_rows_kept"]
+    first = ask("agent-3", [], 24)
+    prompt_len, decoded = first["meta_info"]["prompt_tokens"], first["output_ids"]
+    assert first["meta_info"]["tokendance"]["reused_tokens"] > 0  # the row holds approximate KV
+    assert forest_stats(server)["agent_rows_kept"] == kept_before + 1
+    again = ask("agent-3", decoded[:8], 16)
+    continued = again["meta_info"]
+    assert continued["tokendance"]["agent_prefix_tokens"] == prompt_len + 7 == continued["cached_tokens"]
+    assert continued["tokendance"]["reused_tokens"] == 0  # nothing left to blend
+    assert again["output_ids"] == decoded[8:24]
+    other = ask("agent-4", decoded[:8], 4)["meta_info"]
+    assert other["tokendance"]["agent_prefix_tokens"] == 0
+    assert other["cached_tokens"] <= exact_len
 
 
 def test_many_mirrors_hold_more_kv_positions_than_the_pool_and_all_finish(server):

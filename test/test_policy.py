@@ -135,9 +135,13 @@ def test_retracted_request_is_never_held_and_inferred_rounds_group_overlaps():
     assert sched.schedule() == ["x", "y"]
 
 
-def test_round_options_are_validated():
-    assert request_options({"round": "r", "round_size": 2, "register_output": False}) == {"round": "r", "round_size": 2}
-    assert request_options({"round": "r"}) == {"round": "r"} and request_options(None) == {}
+def test_request_options_are_validated():
+    assert request_options({"round": "r", "round_size": 2, "register_output": False}, False) == {"round": "r",
+                                                                                                "round_size": 2}
+    assert request_options({"round": "r"}, False) == {"round": "r"} and request_options(None, False) == {}
+    assert request_options({"agent": "alice"}, True) == {"agent": "alice"}
     for options, message in BAD_ROUNDS:
         with pytest.raises(SegmentError, match=message.replace("`", ".")):
-            request_options(options)
+            request_options(options, True)
+    with pytest.raises(SegmentError, match="needs --tokendance-storage mirror"):
+        request_options({"agent": "alice"}, False)

@@ -33,33 +33,55 @@ def test_masters_are_counted_once_and_evictable_only_when_alone_and_unpinned():
     refs = SlotRefs(8)
     tree, row = torch.tensor([1, 2, 3]), torch.tensor([4, 5])
     refs.allocated(torch.cat([tree, row]))
+    refs.tree_holds(tree, 1)  # the tree took over slots 1-3
     refs.hold(torch.tensor([2, 3, 4, 5]))  # a Master over tree slots 2, 3 and row slots 4, 5
     refs.hold(torch.tensor([3]))  # a second Master over slot 3
     assert refs.master_slots() == 4 and refs.master_only_slots() == 0
+    assert refs.evictable_slots() == 3  # 4 and 5 are the live row's too
     assert refs.release(row).numel() == 0  # the row finished: 4, 5 are the Master's alone
-    assert refs.master_only_slots() == 2 == refs.evictable_master_slots()
+    assert refs.master_only_slots() == 2 and refs.evictable_slots() == 5
     refs.pin(torch.tensor([2, 3, 4, 5]))  # a live row reads the Master
-    assert refs.evictable_master_slots() == 0
+    assert refs.evictable_slots() == 1 and refs.protected_slots() == 4
     refs.unpin(torch.tensor([2, 3, 4, 5]))
+    refs.tree_holds(tree, -1)
     assert refs.release(tree).tolist() == [1]  # the tree evicted its leaf: 2, 3 stay with the Masters
-    assert refs.master_only_slots() == 4
+    assert refs.master_only_slots() == 4 == refs.evictable_slots()
     assert refs.unhold(torch.tensor([2, 3, 4, 5])).tolist() == [2, 4, 5]
     assert refs.unhold(torch.tensor([3])).tolist() == [3]
-    assert refs.master_slots() == 0
+    assert refs.master_slots() == 0 == refs.evictable_slots()
 
 
-def test_slots_off_the_tree_are_those_only_masters_and_reading_rows_hold():
+def test_a_slot_several_tree_nodes_hold_is_counted_once_and_kept_by_any_lock():
+    refs = SlotRefs(8)
+    shared, own = torch.tensor([1, 2]), torch.tensor([3])
+    refs.allocated(torch.cat([shared, own]))
+    refs.tree_holds(shared, 1)  # one node holds 1, 2
+    refs.share(torch.cat([shared, own]))
+    refs.tree_holds(torch.cat([shared, own]), 1)  # a second node holds 1, 2 and 3 (with its own references)
+    refs.release(own)  # the row that computed 3 finished
+    assert refs.tree_slots() == 3 == refs.evictable_slots() and refs.protected_slots() == 0
+    refs.tree_locks(shared, 1)  # a live request locks the first node
+    assert (refs.evictable_slots(), refs.protected_slots()) == (1, 2)
+    refs.tree_locks(shared, -1)
+    refs.tree_holds(torch.cat([shared, own]), -1)
+    assert refs.release(torch.cat([shared, own])).tolist() == [3]  # evicting the second frees 3 only
+    assert refs.tree_slots() == 2 == refs.evictable_slots()
+
+
+def test_rows_reading_in_place_keep_slots_from_eviction_and_count_per_position():
     refs = SlotRefs(8)
     slots = torch.tensor([1, 2, 3, 4])
-    refs.allocated(slots)  # the tree holds 1-4
+    refs.allocated(slots)
+    refs.tree_holds(slots, 1)  # the tree holds 1-4
     refs.hold(slots)
     refs.read(torch.tensor([3, 4, 4]))  # rows read 3 and 4 (4 twice)
-    assert (refs.masters_off_tree_slots(), refs.read_slots()) == (0, 3)
+    assert (refs.evictable_slots(), refs.protected_slots(), refs.read_slots()) == (2, 2, 3)
+    refs.tree_holds(slots, -1)
     refs.release(slots)  # the tree evicts its leaf
-    assert (refs.masters_off_tree_slots(), refs.master_only_slots(), refs.read_slots()) == (4, 2, 3)
+    assert (refs.evictable_slots(), refs.master_only_slots(), refs.read_slots()) == (2, 2, 3)
     refs.release(torch.tensor([4, 4]))
     refs.unread(torch.tensor([4, 4]))  # both rows reading 4 end
-    assert (refs.masters_off_tree_slots(), refs.master_only_slots(), refs.read_slots()) == (4, 3, 1)
+    assert (refs.evictable_slots(), refs.master_only_slots(), refs.read_slots()) == (3, 3, 1)
 
 
 @pytest.mark.parametrize("need_sort", [False, True])

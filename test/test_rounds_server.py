@@ -205,11 +205,14 @@ BAD_ROUNDS = [
     ({"round": "r", "round_size": True}, "round_size"),
     ({"round_size": 2}, "needs `tokendance.round`"),
     ({"round": "r", "size": 2}, "must be an object like"),
+    ({"agent": ""}, "non-empty string"),
+    ({"agent": ["alice"]}, "non-empty string"),
 ]
+DENSE_ONLY_REFUSED = [({"agent": "alice"}, "needs --tokendance-storage mirror")]  # this module's server is dense
 
 
 def test_bad_round_fields_are_400s(server):
-    for options, message in BAD_ROUNDS:
+    for options, message in BAD_ROUNDS + DENSE_ONLY_REFUSED:
         for path, body in (("/generate", {"text": "a", "sampling_params": {"max_new_tokens": 2}}),
                            ("/generate", {"text": "a", "stream": True}),
                            ("/v1/completions", {"model": "m", "prompt": "a", "max_tokens": 2})):

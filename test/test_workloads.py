@@ -151,3 +151,14 @@ def test_invalid_use():
         sim.prompt_pieces(-1, 0, sim.seed_messages)
     with pytest.raises(ValueError, match="separator"):
         sim.prompt_text(0, 1, [f"a {SEP} b"] * len(sim.agents))
+
+
+def test_a_conversation_prompt_extends_the_previous_prompt_and_answer(sim):
+    talk = make_simulation(dataclasses.replace(sim.config, conversation=True))
+    first = talk.round_pieces(0, 0, talk.seed_messages)
+    assert first == sim.prompt_pieces(0, 0, sim.seed_messages) == sim.round_pieces(0, 0, sim.seed_messages)
+    earlier = [*first, " my answer"]
+    second = talk.round_pieces(0, 1, talk.seed_messages, earlier)
+    assert second[:len(earlier)] == earlier
+    assert second[len(earlier):] == talk.prompt_pieces(0, 1, talk.seed_messages)[1:]
+    assert sim.round_pieces(0, 1, sim.seed_messages, earlier) == sim.prompt_pieces(0, 1, sim.seed_messages)

@@ -62,6 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1, help="--prefill-only: sessions per mode and N")
     p.add_argument("--server-args", default="", help="extra flags for every started server (one string)")
     p.add_argument("--no-permute", action="store_true", help="every agent sees blocks in one order")
+    p.add_argument("--conversation", action="store_true",
+                   help="each round's prompt extends the agent's previous prompt and answer (compare "
+                        "tokendance-mirror with tokendance-kept, which keeps each agent's row for its next round)")
     p.add_argument("--num-sessions", type=int, default=1, help="simulations run concurrently")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="session arrivals per second")
     p.add_argument("--seed", type=int, default=1)
@@ -90,7 +93,7 @@ def workload_config(args) -> WorkloadConfig:
         "num_agents": args.agents[0] or None, "num_rounds": args.num_rounds, "history_words": args.history_words,
         "block_words": args.block_words, "max_new_tokens": args.max_new_tokens,
     }
-    config = replace(PRESETS[args.preset], seed=args.seed, permute=not args.no_permute)
+    config = replace(PRESETS[args.preset], seed=args.seed, permute=not args.no_permute, conversation=args.conversation)
     return replace(config, **{k: v for k, v in overrides.items() if v is not None})
 
 

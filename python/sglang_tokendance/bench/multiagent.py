@@ -44,6 +44,7 @@ class Mode:
     server_args: tuple[str, ...] = ()
     marked: bool = False  # send separators (only a TokenDance server understands them)
     rounds: bool = False  # name each round (`round`, `round_size`): its requests are prefilled as one group
+    agents: bool = False  # name each request's agent (`agent`): its finished row is kept for its next prompt
 
     def blend_options(self) -> BlendOptions | None:
         """The blended prefill's options on this mode's server (None for stock SGLang)."""
@@ -72,6 +73,9 @@ MODES: dict[str, Mode] = {
                                                "--tokendance-group-probe", "1")),
     "tokendance-mirror": Mode("tokendance-mirror", stock=False, marked=True,  # zero-copy Master-Mirror storage
                               server_args=("--tokendance-storage", "mirror")),
+    # Master-Mirror storage with each agent's finished row kept for its next prompt (--conversation)
+    "tokendance-kept": Mode("tokendance-kept", stock=False, marked=True, agents=True,
+                            server_args=("--tokendance-storage", "mirror")),
 }
 
 
@@ -195,17 +199,22 @@ async def stream_generate(http: aiohttp.ClientSession, url: str, body: dict) -> 
     return ttft, time.perf_counter() - start, last
 
 
-def request_body(sim: Simulation, mode: Mode, agent: int, round_index: int, blocks: list[str],
-                 prefill_only: bool = False, round_id: str = "") -> dict:
-    """Marked prompts for TokenDance, which also registers each output as next round's block
-    (except in prefill-only sessions, whose next blocks are stand-ins); under a mode with
-    rounds, the request names its round `round_id` (of all the simulation's agents)."""
-    text = (sim.prompt_text if mode.marked else sim.plain_prompt)(agent, round_index, blocks)
+def request_body(sim: Simulation, mode: Mode, pieces: list[str], prefill_only: bool = False, round_id: str = "",
+                 agent_id: str = "") -> dict:
+    """A round's prompt from its pieces: marked for TokenDance, which also registers each
+    output as next round's block (except in prefill-only sessions, whose next blocks are
+    stand-ins); under a mode with rounds, the request names its round `round_id` (of all the
+    simulation's agents); under a mode with agents, its agent `agent_id`."""
+    text = (DEFAULT_SEPARATOR if mode.marked else "").join(pieces)
+    if mode.marked and any(DEFAULT_SEPARATOR in piece for piece in pieces):
+        raise ValueError(f"a prompt piece contains the separator {DEFAULT_SEPARATOR!r}")
     max_new = 1 if prefill_only else sim.config.max_new_tokens
     body = {"text": text, "sampling_params": {"max_new_tokens": max_new, "temperature": 0}}
     options = {"register_output": True} if mode.marked and not prefill_only else {}
     if mode.rounds:
         options |= {"round": round_id, "round_size": len(sim.agents)}
+    if mode.agents:
+        options |= {"agent": agent_id}
     if options:
         body["tokendance"] = options
     return body
@@ -226,9 +235,11 @@ async def run_session(http, url: str, mode: Mode, sim: Simulation, session: int,
                       watch: Callable[[int], ContextManager] | None = None) -> None:
     """One simulation's rounds; `watch(round_index)` wraps each timed round (e.g. a profiler)."""
     blocks = list(sim.seed_messages)
-    run_id = f"{time.time_ns()}-{session}"  # round ids unique per server, whatever ran on it before
+    run_id = f"{time.time_ns()}-{session}"  # round and agent ids unique per server, whatever ran on it before
+    earlier: list[list[str]] = [[] for _ in sim.agents]  # each agent's conversation so far (config.conversation)
     for round_index in range(sim.config.num_rounds):
-        bodies = [request_body(sim, mode, a, round_index, blocks, prefill_only, f"{run_id}-{round_index}")
+        pieces = [sim.round_pieces(a, round_index, blocks, earlier[a]) for a in range(len(sim.agents))]
+        bodies = [request_body(sim, mode, pieces[a], prefill_only, f"{run_id}-{round_index}", f"{run_id}-{a}")
                   for a in range(len(sim.agents))]
         with watch(round_index) if watch else contextlib.nullcontext():
             start = time.perf_counter()
@@ -256,6 +267,7 @@ async def run_session(http, url: str, mode: Mode, sim: Simulation, session: int,
         else:
             # a failed agent's message stays what it was (the round goes on without its answer)
             blocks = [message_block(outs[a][2]["text"]) if a in outs else blocks[a] for a in range(len(blocks))]
+            earlier = [[*pieces[a], blocks[a]] for a in range(len(blocks))]
         progress.update(1)
 
 

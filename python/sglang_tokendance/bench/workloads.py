@@ -45,6 +45,7 @@ class WorkloadConfig:
     history_words: int = 100  # mean private-history length; each agent's is 0.6x to 1.4x of it
     block_words: int = 80  # length of each seed message and context block
     permute: bool = True  # each agent sees the messages in its own order
+    conversation: bool = False  # each round's prompt extends the agent's previous prompt and answer
     max_new_tokens: int = 104
     seed: int = 0
 
@@ -102,6 +103,15 @@ class Simulation:
                     for piece in (f"\n{self.agents[j].name}:", shared_blocks[j])]
         return [self.agents[agent_index].history, *self.context[round_index], *messages,
                 self.instruction(agent_index, round_index)]
+
+    def round_pieces(self, agent_index: int, round_index: int, shared_blocks: Sequence[str],
+                     earlier: Sequence[str] = ()) -> list[str]:
+        """The pieces sent in a round. In a conversation (`config.conversation`) the agent's
+        prompt grows: `earlier` (its previous round's pieces, then its answer as a piece of its
+        own) comes first, then this round's pieces past the history; otherwise, and in the
+        first round, `prompt_pieces`."""
+        pieces = self.prompt_pieces(agent_index, round_index, shared_blocks)
+        return [*earlier, *pieces[1:]] if self.config.conversation and earlier else pieces
 
     def prompt_text(self, agent_index: int, round_index: int, shared_blocks: Sequence[str],
                     separator: str = DEFAULT_SEPARATOR) -> str:

@@ -4,10 +4,12 @@ Under mirror storage a slot's K is un-rotated, so one slot can be read by severa
 different offsets. A slot then has several owners: the radix tree (one reference per tree
 node value), each cached segment (a Master) that holds it, and each live request row that
 points at it. Every owner takes one reference and drops its own; the slot is free when the
-last goes. On top of the plain count, `masters` counts the Master references of each slot,
-`reads` the live rows reading it in place and `pins` the live rows reading a Master that holds
-it (a pinned Master is not evictable), so the pool can say how many slots eviction could
-still free (`evictable_master_slots`), counting each slot once however many owners it has.
+last goes. On top of the plain count, `tree` counts the tree nodes holding each slot and
+`locked` those of them a live request locks, `masters` the Master references, `reads` the live
+rows reading it in place and `pins` the live rows reading a Master that holds it (a pinned
+Master is not evictable). So the pool can say, counting each slot once however many owners it
+has, how many slots eviction could free (`evictable_slots`: held by unlocked tree nodes and
+unpinned Masters alone) and how many the live requests keep (`protected_slots`).
 Those counts scan the pool, so each is kept until the next change (the scheduler asks for
 them several times a step).
 """
@@ -28,6 +30,8 @@ class SlotRefs:
 
     def __init__(self, size: int, device: torch.device | str = "cpu"):
         self.refs = torch.zeros(size + 1, dtype=torch.int32, device=device)
+        self.tree = torch.zeros_like(self.refs)
+        self.locked = torch.zeros_like(self.refs)
         self.masters = torch.zeros_like(self.refs)
         self.pins = torch.zeros_like(self.refs)
         self.reads = torch.zeros_like(self.refs)
@@ -41,6 +45,10 @@ class SlotRefs:
             self._counts[name] = int(mask().sum())
         return self._counts[name]
 
+    def _add(self, counter: torch.Tensor, slots: torch.Tensor, delta: int) -> None:
+        counter.index_add_(0, slots, torch.full_like(slots, delta, dtype=torch.int32))
+        self._changed()
+
     def allocated(self, slots: torch.Tensor) -> None:
         """Fresh slots from the free list: one owner each."""
         self.refs[slots] = 1
@@ -48,8 +56,7 @@ class SlotRefs:
 
     def share(self, slots: torch.Tensor) -> None:
         """One more owner for each of `slots` (repeats count once per occurrence)."""
-        self.refs.index_add_(0, slots, torch.ones_like(slots, dtype=torch.int32))
-        self._changed()
+        self._add(self.refs, slots, 1)
 
     def release(self, slots: torch.Tensor) -> torch.Tensor:
         """Drop one reference per occurrence; returns the slots whose last reference went
@@ -65,32 +72,57 @@ class SlotRefs:
 
     def hold(self, slots: torch.Tensor) -> None:
         """A Master takes a reference on `slots`."""
-        self.masters.index_add_(0, slots, torch.ones_like(slots, dtype=torch.int32))
+        self._add(self.masters, slots, 1)
         self.share(slots)
 
     def unhold(self, slots: torch.Tensor) -> torch.Tensor:
         """A Master drops its references; returns the slots now free."""
-        self.masters.index_add_(0, slots, torch.full_like(slots, -1, dtype=torch.int32))
+        self._add(self.masters, slots, -1)
         return self.release(slots)
 
     def read(self, slots: torch.Tensor) -> None:
         """A live row reads `slots` in place: its reference on each."""
-        self.reads.index_add_(0, slots, torch.ones_like(slots, dtype=torch.int32))
+        self._add(self.reads, slots, 1)
         self.share(slots)
 
     def unread(self, slots: torch.Tensor) -> None:
         """The row no longer reads `slots` (its references are dropped by whoever frees them)."""
-        self.reads.index_add_(0, slots, torch.full_like(slots, -1, dtype=torch.int32))
-        self._changed()
+        self._add(self.reads, slots, -1)
 
     def pin(self, slots: torch.Tensor) -> None:
         """A live row reads the Master holding `slots`: none of them is evictable meanwhile."""
-        self.pins.index_add_(0, slots, torch.ones_like(slots, dtype=torch.int32))
-        self._changed()
+        self._add(self.pins, slots, 1)
 
     def unpin(self, slots: torch.Tensor) -> None:
-        self.pins.index_add_(0, slots, torch.full_like(slots, -1, dtype=torch.int32))
-        self._changed()
+        self._add(self.pins, slots, -1)
+
+    def tree_holds(self, slots: torch.Tensor, delta: int) -> None:
+        """A tree node starts (+1: created, with the reference of the row it took them from or
+        one its inserter shared) or stops (-1: evicted, its references freed next) holding
+        `slots`."""
+        self._add(self.tree, slots, delta)
+
+    def tree_locks(self, slots: torch.Tensor, delta: int) -> None:
+        """A tree node holding `slots` gets locked by a live request (+1: not evictable) or
+        loses its last lock (-1)."""
+        self._add(self.locked, slots, delta)
+
+    def _evictable(self) -> torch.Tensor:
+        return ((self.refs > 0) & (self.refs == self.tree + self.masters) & (self.locked == 0) & (self.pins == 0))
+
+    def evictable_slots(self) -> int:
+        """Slots evicting every unlocked tree node and every unpinned Master would free: held
+        by those alone (no live row's own or reading reference, no lock, no pin)."""
+        return self._count("evictable", lambda: self._evictable())
+
+    def protected_slots(self) -> int:
+        """Slots the tree or a Master holds that eviction cannot free now (locked, pinned, or
+        also held by a live row)."""
+        return self._count("protected", lambda: ((self.tree > 0) | (self.masters > 0)) & ~self._evictable())
+
+    def tree_slots(self) -> int:
+        """Slots some tree node holds (each once, however many nodes hold it)."""
+        return self._count("tree", lambda: self.tree > 0)
 
     def master_slots(self) -> int:
         """Slots some Master holds (each once)."""
@@ -100,20 +132,6 @@ class SlotRefs:
         """Slots held by Masters and by nobody else (not the tree, not a row)."""
         return self._count("master_only", lambda: (self.masters > 0) & (self.refs == self.masters))
 
-    def masters_off_tree_slots(self) -> int:
-        """Slots held by Masters and read by rows, nobody else (the tree holds none of them)."""
-        return self._count("off_tree", lambda: (self.masters > 0) & (self.refs == self.masters + self.reads))
-
     def read_slots(self) -> int:
         """Row positions reading a slot in place (a slot read by two rows counts twice)."""
         return self._count("reads", lambda: self.reads)
-
-    def tree_slots_kept_by_readers(self) -> int:
-        """Master slots the tree holds too that evicting the tree would not free: a live row
-        reads them, or their Master is pinned."""
-        return self._count("kept", lambda: (self.masters > 0) & (self.refs > self.masters + self.reads)
-                           & ((self.pins > 0) | (self.reads > 0)))
-
-    def evictable_master_slots(self) -> int:
-        """Slots evicting every unpinned Master would free: held by Masters only, none pinned."""
-        return self._count("evictable", lambda: (self.masters > 0) & (self.refs == self.masters) & (self.pins == 0))

@@ -25,9 +25,10 @@ Reuse happens after SGLang allocates a batch's slots (`restore_segments`, an ARO
 ScheduleBatch.prepare_for_extend, which also ranks the segments the batch will read last in
 the allocation's eviction): each request's chunk is planned (srt/reuse.py) and its
 reused positions restored as above; the model forward (srt/forward_hook.py) then runs the
-blended prefill on the plans. A request's approximate KV never enters the tree, in any chunk:
-it publishes only the part before its first reused token, and caches only segments that end
-before it.
+blended prefill on the plans. A request's approximate KV never enters the shared tree, in any
+chunk: it publishes only the part before its first reused token, and caches only segments that
+end before it. Under mirror storage a finished row that names its agent is kept whole for that
+agent alone, in a namespace only the agent's requests match (`keep_for_agent`, `match_prefix`).
 
 Output registration: srt/output_registration.py. Metrics: srt/metrics.py.
 """
@@ -42,8 +43,8 @@ import time
 from typing import Callable, Hashable, Iterator
 
 import torch
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult
-from sglang.srt.mem_cache.radix_cache import RadixCache
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult, InsertParams, MatchPrefixParams
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 
 from sglang_tokendance.core.blend import BlendOptions
@@ -59,9 +60,12 @@ from sglang_tokendance.srt.metrics import NO_METRICS, ForestMetrics, PrometheusF
 from sglang_tokendance.srt.model import SUPPORTED_ARCHITECTURES
 from sglang_tokendance.srt.output_registration import output_kv_tokens, output_segment_ids
 from sglang_tokendance.srt.pool import RefCountedAllocator
+from sglang_tokendance.srt.prompt_interface import carried_payload
 from sglang_tokendance.srt.reuse import ChunkPlan, RequestReuse, is_lora, may_reuse
 
 logger = logging.getLogger(__name__)
+
+KEPT_NAMESPACE = "tokendance-kept"  # extra_key[0] of an agent's kept Mirrors (a tuple: no client can send it)
 
 
 class SegmentForest(RadixCache):
@@ -79,6 +83,7 @@ class SegmentForest(RadixCache):
         self.requests: dict[object, RequestReuse] = {}  # SGLang's Req -> its reuse, until released
         self.planned: dict[int, ChunkPlan] = {}  # req_pool_idx -> its plan for the coming forward
         self.wanted: set[int] = set()  # ids of the segments the batch being allocated will read
+        self.kept_rows = 0  # finished rows kept for their agent (keep_for_agent)
         # Master-Mirror storage: K un-rotated in the pool, so rows read Masters' slots in place
         self.zero_copy = keys is not None and not keys.rotated  # set first: SGLang's __init__ resets (counts)
         super().__init__(params)
@@ -115,10 +120,14 @@ class SegmentForest(RadixCache):
             super().checkpoint(req, up_to=up_to)
             return
         exact = min(up_to, state.first_reused)  # reused KV is approximate: keep it out
-        super().checkpoint(req, up_to=exact)  # the row now points at the tree's slots up to `exact`
+        if exact >= req.kv.cache_protected_len:  # (a row continuing its agent's kept Mirror publishes nothing)
+            super().checkpoint(req, up_to=exact)  # the row now points at the tree's slots up to `exact`
         self.insert_segments(req, state, exact)
-        if req.finished() and state.register_output:
-            self.register_output(req, state)  # before SGLang releases the output's slots
+        if req.finished():  # before SGLang releases the row's own slots
+            if state.register_output:
+                self.register_output(req, state)
+            if self.zero_copy and state.agent is not None and exact < up_to:
+                self.keep_for_agent(req, state, up_to)
         self.metrics.update_held()
 
     def on_release(self, req, *, checkpointed: bool) -> None:
@@ -158,6 +167,41 @@ class SegmentForest(RadixCache):
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
         self._cache_segment(state.key(segment_hash(ids, self.salt)), ids, row, len(req.origin_input_ids),
                             output_kv_tokens(req, len(ids)))
+
+    def keep_for_agent(self, req, state: RequestReuse, up_to: int) -> None:
+        """Mirror storage: a finished row holding approximate KV stays in the tree for its
+        agent alone (namespace (KEPT_NAMESPACE, agent, extra_key)): its Master references and
+        its own slots (diff, private tokens, output), one more reference each, no copy. The
+        agent's next prompt that extends it matches it as a prefix (`match_prefix`) and reads
+        exactly the KV it read before; eviction drops it like any leaf. A row whose tokens the
+        agent already keeps with other slots (a different computation) is not kept."""
+        key = RadixKey(req.full_untruncated_fill_ids[:up_to], kept_namespace(state.agent, req.extra_key),
+                       cache_salt=req.cache_salt)
+        row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :up_to].to(torch.int64, copy=True)
+        held = super().match_prefix(MatchPrefixParams(key=key))
+        if not torch.equal(self.path_device_indices(held.last_device_node), row[:held.device_prefix_len]):
+            return
+        inserted = self.insert(InsertParams(key=key, value=row, priority=req.priority or 0))
+        self.token_to_kv_pool_allocator.share(row[inserted.prefix_len:])
+        self.kept_rows += 1
+
+    def match_prefix(self, params: MatchPrefixParams):
+        """SGLang's match; a request naming its agent (mirror storage) takes the agent's kept
+        Mirror instead when that covers more of its prompt."""
+        result = super().match_prefix(params)
+        agent = self._agent_of(params.req)
+        if agent is None:
+            return result
+        key = params.key
+        kept = super().match_prefix(MatchPrefixParams(key=RadixKey(
+            key.token_ids, kept_namespace(agent, key.extra_key), is_bigram=key.is_bigram, limit=key.limit,
+            cache_salt=key.cache_salt)))
+        return kept if kept.device_prefix_len > result.device_prefix_len else result
+
+    def _agent_of(self, req) -> str | None:
+        if req is None or not self.zero_copy or self.disable or is_lora(req):
+            return None
+        return carried_payload(req.sampling_params.custom_params).get("agent")
 
     def _cache_segment(self, key, ids, row: torch.Tensor, start: int, length: int) -> None:
         """Row positions [start, start + length) -- the KV of `ids`, exact -- become the
@@ -309,7 +353,8 @@ class SegmentForest(RadixCache):
     def _state_of(self, req) -> RequestReuse | None:
         state = self.requests.get(req)
         if state is None and not is_lora(req):
-            state = RequestReuse.of(req, can_reuse=self.reuse and may_reuse(req))
+            agent_prefix = req.prefix_len if is_kept(req.last_node) else 0
+            state = RequestReuse.of(req, can_reuse=self.reuse and may_reuse(req), agent_prefix=agent_prefix)
             if state is not None:
                 self.requests[req] = state
         return state
@@ -372,6 +417,8 @@ class SegmentForest(RadixCache):
             if isinstance(item, SegmentEntry):
                 evicted += self._freed_by(lambda: self._drop_master(self.segments.remove(item)), len(item))
                 continue
+            if self.zero_copy:
+                self.token_to_kv_pool_allocator.refs.tree_holds(item.value, -1)
             evicted += self._freed_by(lambda: self.token_to_kv_pool_allocator.free_segment(item.value, start_pos=0),
                                       len(item.value))
             self._delete_leaf(item)
@@ -394,39 +441,65 @@ class SegmentForest(RadixCache):
 
     def evictable_size(self) -> int:
         """Slots eviction can free, each once: the tree's unlocked ones and the segments'.
-        Mirror storage: a segment's slots no other owner holds, of a Master no live row reads;
-        the tree's slots that a read or pinned Master keeps are not counted (`protected_size`
-        counts them), so SGLang never admits a prefill on slots eviction cannot free."""
-        return super().evictable_size() - self._tree_slots_kept() + self._segment_only_tokens(evictable=True)
-
-    def _tree_slots_kept(self) -> int:
-        """The tree's unlocked slots that live readers of Masters keep from eviction (at most;
-        those of locked nodes are among them when a reader's row also holds its tree prefix)."""
-        if not self.zero_copy:
-            return 0
-        return min(super().evictable_size(), self.token_to_kv_pool_allocator.refs.tree_slots_kept_by_readers())
+        Mirror storage: slots held by unlocked tree nodes and unpinned Masters alone (a slot
+        several of them hold, or a live row too, is counted once or not at all), so SGLang
+        never admits a prefill on slots eviction cannot free."""
+        if self.zero_copy:
+            return self.token_to_kv_pool_allocator.refs.evictable_slots()
+        return super().evictable_size() + self.segments.tokens
 
     def protected_size(self) -> int:
         """The tree's locked tokens. Under mirror storage SGLang's pool check (available +
         evictable + protected + every live row position past its tree prefix == total,
         run while busy under SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY) counts a row position
-        that reads a Master as the request's own slot, once per reader: this adds the
-        Masters' slots eviction cannot free and the own slots a plan keeps aside, and takes
-        those row positions off, so every slot is counted once. At quiescence it is the tree's."""
-        protected = super().protected_size()
+        that reads a Master as the request's own slot, once per reader: this counts the slots
+        the tree and the Masters hold that eviction cannot free and the own slots a plan keeps
+        aside, and takes those row positions off, so every slot is counted once. At
+        quiescence it is the tree's."""
         if not self.zero_copy:
-            return protected
+            return super().protected_size()
         refs = self.token_to_kv_pool_allocator.refs
         aside = sum(plan.own.numel() for plan in self.planned.values() if plan.own is not None)
-        return (protected + self._tree_slots_kept() + refs.masters_off_tree_slots() - refs.evictable_master_slots()
-                + aside - refs.read_slots())
+        return refs.protected_slots() + aside - refs.read_slots()
 
-    def _segment_only_tokens(self, evictable: bool = False) -> int:
+    # --- per-slot tree references (mirror storage: a slot can have several owners) ----------
+
+    def _insert_helper(self, node, key, value, priority: int = 0, inserted_len: int = 0):
+        """SGLang's insert; a new node's slots count one more tree owner."""
+        matched, last = super()._insert_helper(node, key, value, priority, inserted_len)
+        if self.zero_copy and matched < len(key):
+            self.token_to_kv_pool_allocator.refs.tree_holds(last.value, 1)
+        return matched, last
+
+    def inc_lock_ref(self, node):
+        opened = self._path_at_lock_ref(node, 0)
+        result = super().inc_lock_ref(node)
+        for locked in opened:
+            self.token_to_kv_pool_allocator.refs.tree_locks(locked.value, 1)
+        return result
+
+    def dec_lock_ref(self, node, params=None):
+        closing = self._path_at_lock_ref(node, 1)
+        result = super().dec_lock_ref(node, params)
+        for unlocked in closing:
+            self.token_to_kv_pool_allocator.refs.tree_locks(unlocked.value, -1)
+        return result
+
+    def _path_at_lock_ref(self, node, lock_ref: int) -> list:
+        """Under mirror storage: the nodes from `node` up to the root whose lock count is
+        `lock_ref` (those whose slots a lock change opens or closes)."""
+        path = []
+        while self.zero_copy and not self.disable and node is not None and node is not self.root_node:
+            if node.lock_ref == lock_ref:
+                path.append(node)
+            node = node.parent
+        return path
+
+    def _segment_only_tokens(self) -> int:
         """Slots held by segments alone (dense storage: all of theirs)."""
         if not self.zero_copy:
             return self.segments.tokens
-        refs = self.token_to_kv_pool_allocator.refs
-        return refs.evictable_master_slots() if evictable else refs.master_only_slots()
+        return self.token_to_kv_pool_allocator.refs.master_only_slots()
 
     @property
     def pool(self):
@@ -440,11 +513,19 @@ class SegmentForest(RadixCache):
         belongs to the tree or to a segment (no leak)."""
         allocator = self.token_to_kv_pool_allocator
         return {**self.segments.stats(self.bytes_per_token()),
+                "tree_tokens": self._tree_tokens(),
                 "tree_evictable_tokens": super().evictable_size(), "tree_protected_tokens": super().protected_size(),
                 "pool_tokens": allocator.size, "free_tokens": allocator.available_size(),
-                "live_requests": len(self.requests), **self.storage_counts()._asdict(),
+                "live_requests": len(self.requests), "agent_rows_kept": self.kept_rows,
+                **self.storage_counts()._asdict(),
                 "segment_only_tokens": self._segment_only_tokens(),
                 "pinned_segments": sum(1 for e in self.segments.entries.values() if e.readers)}
+
+    def _tree_tokens(self) -> int:
+        """Slots the tree holds, each once (mirror storage: several nodes may hold one)."""
+        if self.zero_copy:
+            return self.token_to_kv_pool_allocator.refs.tree_slots()
+        return super().evictable_size() + super().protected_size()
 
     def storage_counts(self) -> StorageCounts:
         """Masters, live Mirror diffs and row references now (O(pool) under mirror storage)."""
@@ -478,6 +559,17 @@ def build_forest(ctx: TreeCacheBuildContext) -> SegmentForest:
     global ACTIVE
     ACTIVE = forest
     return forest
+
+
+def kept_namespace(agent: str, extra_key) -> tuple:
+    """The radix namespace of an agent's kept Mirrors inside SGLang's namespace `extra_key`."""
+    return (KEPT_NAMESPACE, agent, extra_key)
+
+
+def is_kept(node) -> bool:
+    """Whether a tree node is part of an agent's kept Mirror."""
+    extra_key = None if node is None else node.key.extra_key
+    return isinstance(extra_key, tuple) and extra_key[0] == KEPT_NAMESPACE
 
 
 def group_key(req) -> Hashable | None:

@@ -42,6 +42,10 @@ class RefCountedAllocator(TokenToKVPoolAllocator):
             return
         self._to_free_list(self.refs.release(free_index.to(torch.int64)))
 
+    def share(self, slots: torch.Tensor) -> None:
+        """One more owner (a tree node) takes a reference on each of `slots`."""
+        self.refs.share(slots)
+
     def read(self, slots: torch.Tensor) -> None:
         """A request row reads `slots` (a Master's) in place: one reference each."""
         self.refs.read(slots)

@@ -102,24 +102,34 @@ async def _generate_request(original, args, tokenizer_manager, obj, request, *re
         chat = request is not None and request.url.path.endswith("/chat/completions")
         try:
             apply_segments(obj, segments_field=segments, from_chat=chat,
-                           segmenter=segmenter_of(tokenizer_manager, args), options=request_options(options))
+                           segmenter=segmenter_of(tokenizer_manager, args),
+                           options=request_options(options, args.mirror_storage))
         except SegmentError as e:
             raise ValueError(str(e)) from None
     async for out in original(tokenizer_manager, obj, request, *rest, **kw):
         yield out
 
 
-OPTIONS_SHAPE = '`tokendance` must be an object like {"register_output": true, "round": "r1", "round_size": 4}'
+OPTIONS_SHAPE = ('`tokendance` must be an object like {"register_output": true, "round": "r1", "round_size": 4, '
+                 '"agent": "alice"}')
 
 
-def request_options(options: Any) -> dict:
+def request_options(options: Any, mirror_storage: bool) -> dict:
     """The request's `tokendance` object, validated, as the scheduler receives it:
     "register_output" (cache the generated text as a segment), "round" (the client's name
-    for the multi-agent round it belongs to) and "round_size" (how many requests it has)."""
+    for the multi-agent round it belongs to), "round_size" (how many requests it has) and
+    "agent" (keep the finished request's KV for this agent's next prompt: mirror storage)."""
     if options is None:
         return {}
-    if not isinstance(options, dict) or set(options) - {"register_output", "round", "round_size"}:
+    if not isinstance(options, dict) or set(options) - {"register_output", "round", "round_size", "agent"}:
         raise SegmentError(OPTIONS_SHAPE)
+    agent = options.get("agent")
+    if agent is not None and not (isinstance(agent, str) and 0 < len(agent) <= MAX_ROUND_ID_CHARS):
+        raise SegmentError(f"`tokendance.agent` must be a non-empty string of at most {MAX_ROUND_ID_CHARS} "
+                           f"characters, got {json.dumps(agent)[:80]}")
+    if agent is not None and not mirror_storage:
+        raise SegmentError("`tokendance.agent` keeps a request's KV as Master references plus its own diff "
+                           "for the agent's next prompt: it needs --tokendance-storage mirror")
     if not isinstance(options.get("register_output", False), bool):
         raise SegmentError(f"`tokendance.register_output` must be true or false; {OPTIONS_SHAPE}")
     round_id, size = options.get("round"), options.get("round_size")
@@ -287,7 +297,7 @@ def _streaming_contract_error(args: TokenDanceArgs, body: Any) -> str | None:
     try:
         apply_segments(obj, segments_field=body.get("segments"), from_chat=False,
                        segmenter=segmenter_of(_global_state.tokenizer_manager, args),
-                       options=request_options(body.get("tokendance")))
+                       options=request_options(body.get("tokendance"), args.mirror_storage))
     except SegmentError as e:
         return str(e)
     return None

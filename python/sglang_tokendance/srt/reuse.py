@@ -38,6 +38,7 @@ class ReuseCounts:
     segment_misses: int = 0
     adopted_tokens: int = 0  # restored tokens that skipped the probe, taking their round group's choice
     mirror_diff_tokens: int = 0  # own slots at reused positions: recomputed ones (mirror), all (dense)
+    agent_prefix_tokens: int = 0  # the prompt prefix read from its agent's kept Mirror (forest.keep_for_agent)
 
     def compression(self) -> float | None:
         """Reused positions per own slot among them (1.0: a dense copy; None: no own slot)."""
@@ -92,6 +93,7 @@ class RequestReuse:
     spans: list[SegmentSpan]
     can_reuse: bool  # False: SGLang's own forward (input logprobs, hidden states, embeddings)
     register_output: bool
+    agent: str | None = None  # keep the finished row for this agent's next prompt (mirror storage)
     first_reused: int = NOT_REUSED
     counts: ReuseCounts = field(default_factory=ReuseCounts)
     uninserted: list[SegmentSpan] = field(default_factory=list)  # spans not yet cached
@@ -105,14 +107,22 @@ class RequestReuse:
     _looked_up: set[int] = field(default_factory=set)  # spans counted as a hit or a miss
 
     @classmethod
-    def of(cls, req, can_reuse: bool) -> "RequestReuse | None":
-        """The state of a request that carries segments or asks for output registration."""
+    def of(cls, req, can_reuse: bool, agent_prefix: int = 0) -> "RequestReuse | None":
+        """The state of a request that carries segments, asks for output registration or
+        names its agent. `agent_prefix`: its matched prefix is its agent's kept Mirror, whose
+        KV is approximate past its first reused token, so nothing of this row enters the
+        shared tree or becomes a segment (its exact part is there already)."""
         payload = carried_payload(req.sampling_params.custom_params)
         spans = [SegmentSpan(**s) for s in payload["segments"]]
         register = bool(payload.get("register_output"))
-        if not spans and not register:
+        agent = payload.get("agent")
+        if not spans and not register and agent is None:
             return None
-        return cls(req, namespace_of(req), spans, can_reuse and bool(spans), register, uninserted=list(spans))
+        state = cls(req, namespace_of(req), spans, can_reuse and bool(spans), register, agent, uninserted=list(spans))
+        if agent_prefix:
+            state.first_reused = 0
+            state.counts.agent_prefix_tokens = agent_prefix
+        return state
 
     def key(self, segment_hash: str) -> Hashable:
         return (self.namespace, segment_hash)
@@ -171,7 +181,7 @@ class RequestReuse:
     def publish(self) -> None:
         """The counts so far reach meta_info["tokendance"] through SGLang's per-request
         customized_info (sent once, when the request's first output or its end is streamed)."""
-        if self.can_reuse:
+        if self.can_reuse or self.agent is not None:
             info = {**asdict(self.counts), "mirror_compression": self.counts.compression()}
             self.req.customized_info = {**(self.req.customized_info or {}), REUSE_INFO_KEY: [info]}
 
