@@ -114,6 +114,8 @@ def test_a_conversation_prompt_extends_the_agents_previous_prompt_and_answer(fak
             assert after["text"].startswith(before["text"] + (SEP if mode != "radix" else "") + reply)
         options = [b.get("tokendance", {}).get("agent") for b in bodies]
         assert options == ([None] * 3 if mode == "radix" else [options[0]] * 3)
+    computed = result.summary()["computed_tokens_by_round"]  # the fake reports 1 cached token and no computed count
+    assert computed == {k: sum(r.prompt_tokens - 1 for r in result.requests if r.round == k) for k in range(3)}
     if mode != "radix":  # one name per agent, never another's
         assert by_agent[0][0]["tokendance"]["agent"] != by_agent[1][0]["tokendance"]["agent"]
 
@@ -176,7 +178,8 @@ def test_cli_compares_stock_radix_and_tokendance(tmp_path, tiny_llama):
     assert {r["type"] for r in records} >= {"meta", "request", "round", "kv", "idle"}
     md = out.with_suffix(".md").read_text()
     assert "python -m" in md and "--num-agents 2" in md
-    for png in ("ma_round_latency.png", "ma_kv_usage.png"):
+    assert "Prompt tokens computed by round" in md and set(summaries["radix"]["computed_tokens_by_round"]) == {"0", "1"}
+    for png in ("ma_round_latency.png", "ma_round_prefill.png", "ma_kv_usage.png"):
         assert (tmp_path / png).stat().st_size > 1000
 
 

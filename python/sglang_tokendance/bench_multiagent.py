@@ -166,8 +166,9 @@ def compare(args, systems: Systems, config: WorkloadConfig) -> tuple[list[dict],
     summaries = with_ratios([r.summary() for r in results])
     records += [{"type": "idle", **i} for i in idles] + [{"type": "summary", **s} for s in summaries]
     speedup = next(k for k in summaries[0] if k.startswith("round_speedup_vs_"))
-    by_round = [{"mode": s["mode"], **{f"round {k}": v for k, v in s["round_latency_by_round_s"].items()}}
-                for s in summaries]
+    def by_round(key: str) -> list[dict]:
+        return [{"mode": s["mode"], **{f"round {k}": v for k, v in s[key].items()}} for s in summaries]
+
     sections = [
         ("Machine idle before each timed mode", report.markdown_table(idles, ["mode", "cpu_busy_fraction", "idle"])),
         ("Summary", report.markdown_table(summaries, [
@@ -177,13 +178,17 @@ def compare(args, systems: Systems, config: WorkloadConfig) -> tuple[list[dict],
         ("Tail latency and errors", report.markdown_table(summaries, [
             "mode", "num_requests", "errors", "p50_ttft_s", "p99_ttft_s", "p50_round_latency_s",
             "p99_round_latency_s"])),
-        ("Mean round latency by round (s)", report.markdown_table(by_round, list(by_round[0]))),
+        *((title, report.markdown_table(rows, list(rows[0]))) for title, rows in (
+            ("Mean round latency by round (s)", by_round("round_latency_by_round_s")),
+            ("Mean round prefill by round (s)", by_round("round_prefill_by_round_s")),
+            ("Prompt tokens computed by round", by_round("computed_tokens_by_round")))),
     ]
     if not args.no_plot:
         stem = args.output_file.with_suffix("")
-        report.plot_lines(Path(f"{stem}_round_latency.png"), "Round latency", "round", "seconds",
-                          {s["mode"]: (list(by_round), list(by_round.values()))
-                           for s in summaries for by_round in [s["round_latency_by_round_s"]]})
+        for name, title, key in (("round_latency", "Round latency", "round_latency_by_round_s"),
+                                 ("round_prefill", "Round prefill", "round_prefill_by_round_s")):
+            report.plot_lines(Path(f"{stem}_{name}.png"), title, "round", "seconds",
+                              {s["mode"]: (list(s[key]), list(s[key].values())) for s in summaries})
         report.plot_lines(Path(f"{stem}_kv_usage.png"), "KV cache in use", "seconds", "tokens",
                           {r.mode: ([t for t, _ in r.kv_usage], [u for _, u in r.kv_usage]) for r in results})
     return records, sections

@@ -97,6 +97,11 @@ class RequestRecord:
     adopted_tokens: int = 0  # reused tokens that skipped the probe (its round group's shared probe)
     mirror_diff_tokens: int = 0  # own KV slots at its reused positions (all of them under dense storage)
 
+    def prompt_tokens_computed(self) -> int:
+        """Prompt tokens the forward computed: the server's count, or (stock SGLang, which
+        reports none) every token past the cached prefix."""
+        return self.computed_tokens or self.prompt_tokens - self.cached_tokens
+
 
 @dataclass
 class RoundRecord:
@@ -130,6 +135,9 @@ class RunResult:
         by_round: dict[int, list[RoundRecord]] = {}
         for r in self.rounds:
             by_round.setdefault(r.round, []).append(r)
+        requests_by_round: dict[int, list[RequestRecord]] = {}
+        for q in self.requests:
+            requests_by_round.setdefault(q.round, []).append(q)
         return {
             "mode": self.mode,
             "num_agents": self.num_agents,
@@ -138,6 +146,9 @@ class RunResult:
             "wall_s": self.wall,
             "mean_round_latency_s": mean(r.latency for r in self.rounds),
             "round_latency_by_round_s": {k: mean(r.latency for r in v) for k, v in sorted(by_round.items())},
+            "round_prefill_by_round_s": {k: mean(r.prefill for r in v) for k, v in sorted(by_round.items())},
+            "computed_tokens_by_round": {k: sum(q.prompt_tokens_computed() for q in v)
+                                         for k, v in sorted(requests_by_round.items())},
             "mean_round_prefill_s": mean(r.prefill for r in self.rounds),
             "mean_round_decode_s": mean(r.decode for r in self.rounds),
             "mean_ttft_s": mean(q.ttft for q in self.requests),
