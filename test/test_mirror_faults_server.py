@@ -106,39 +106,47 @@ def test_aborts_mid_prefill_leave_nothing_behind(server):
     assert post(server, agent_prompt(5, 2), 4)["meta_info"]["tokendance"]["segment_hits"] > 0
 
 
+class Conversation:
+    """An agent's prompt (agent_prompt's pieces, the last one as token ids) that it extends
+    with what it decoded, naming the agent so its finished rows are kept (`tokendance.agent`)."""
+
+    def __init__(self, url: str, smollm2_path: str, agent: int, name: str):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+        *self.context, reply = agent_prompt(agent, 3).split(SEP)
+        self.reply_ids = tokenizer.encode(reply, add_special_tokens=False)
+        self.exact_len = len(tokenizer.encode(self.context[0]))  # the private text before the first block
+        self.url, self.name = url, name
+
+    def ask(self, decoded: list[int], tokens: int, name: str | None = None) -> dict:
+        body = {"segments": [*self.context, self.reply_ids + decoded], "tokendance": {"agent": name or self.name},
+                "sampling_params": {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}}
+        response = requests.post(self.url + "/generate", json=body, timeout=900)
+        response.raise_for_status()
+        return response.json()
+
+
 def test_an_agents_kept_mirror_continues_exactly_where_its_decode_left_off(server, smollm2_path):
     """A finished row is kept for its agent (`tokendance.agent`): a next prompt that extends it
     with the first tokens the row decoded matches the whole row as a prefix and decodes the
     very tokens the row decoded next (the same KV, approximate blocks included); another
     agent's identical prompt matches only the exact prefix the shared tree holds."""
-    from transformers import AutoTokenizer
-
     cache_every_block(server)
-    *context, reply = agent_prompt(3, 3).split(SEP)
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
-    reply_ids = tokenizer.encode(reply, add_special_tokens=False)
-    exact_len = len(tokenizer.encode(context[0]))  # the private text before the first block
-
-    def ask(agent: str, decoded: list[int], tokens: int) -> dict:
-        body = {"segments": [*context, reply_ids + decoded], "tokendance": {"agent": agent},
-                "sampling_params": {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}}
-        response = requests.post(server + "/generate", json=body, timeout=900)
-        response.raise_for_status()
-        return response.json()
-
+    talk = Conversation(server, smollm2_path, 3, "agent-3")
     kept_before = forest_stats(server)["agent_rows_kept"]
-    first = ask("agent-3", [], 24)
+    first = talk.ask([], 24)
     prompt_len, decoded = first["meta_info"]["prompt_tokens"], first["output_ids"]
     assert first["meta_info"]["tokendance"]["reused_tokens"] > 0  # the row holds approximate KV
     assert forest_stats(server)["agent_rows_kept"] == kept_before + 1
-    again = ask("agent-3", decoded[:8], 16)
+    again = talk.ask(decoded[:8], 16)
     continued = again["meta_info"]
     assert continued["tokendance"]["agent_prefix_tokens"] == prompt_len + 7 == continued["cached_tokens"]
     assert continued["tokendance"]["reused_tokens"] == 0  # nothing left to blend
     assert again["output_ids"] == decoded[8:24]
-    other = ask("agent-4", decoded[:8], 4)["meta_info"]
+    other = talk.ask(decoded[:8], 4, name="agent-4")["meta_info"]
     assert other["tokendance"]["agent_prefix_tokens"] == 0
-    assert other["cached_tokens"] <= exact_len
+    assert other["cached_tokens"] <= talk.exact_len
 
 
 def test_many_mirrors_hold_more_kv_positions_than_the_pool_and_all_finish(server):
@@ -204,3 +212,16 @@ def test_retracted_mirrors_release_their_masters_and_rerun_to_the_clean_answer(r
         assert info["segment_hits"] == 2 and 0 < info["mirror_diff_tokens"] < info["reused_tokens"], info
         assert out["output_ids"] == alone["output_ids"], agent
     assert forest_stats(url)["segments_evicted"] == 0
+
+
+def test_retracted_continuations_of_kept_mirrors_rerun_from_the_same_kv(retracting_server, smollm2_path):
+    """Agents continuing their kept rows, retracted mid-decode (the kept rows locked, then
+    released, then matched again): each decodes what its kept row decoded next."""
+    talks = [Conversation(retracting_server, smollm2_path, agent, f"retracted-{agent}") for agent in range(4)]
+    first = [talk.ask([], 48) for talk in talks]  # one at a time: never retracted
+    with ThreadPoolExecutor(len(talks)) as pool:
+        again = list(pool.map(lambda pair: pair[0].ask(pair[1]["output_ids"][:8], 40), zip(talks, first)))
+    assert sum(out["meta_info"]["num_retractions"] for out in again) > 0, "no request was retracted"
+    for out, before in zip(again, first):
+        assert out["meta_info"]["tokendance"]["agent_prefix_tokens"] >= before["meta_info"]["prompt_tokens"] + 7
+        assert out["output_ids"] == before["output_ids"][8:48]
