@@ -489,7 +489,9 @@ class SegmentForest(RadixCache):
         """Under mirror storage: the nodes from `node` up to the root whose lock count is
         `lock_ref` (those whose slots a lock change opens or closes)."""
         path = []
-        while self.zero_copy and not self.disable and node is not None and node is not self.root_node:
+        if not self.zero_copy or self.disable:
+            return path
+        while node is not None and node is not self.root_node:
             if node.lock_ref == lock_ref:
                 path.append(node)
             node = node.parent
