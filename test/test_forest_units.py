@@ -440,7 +440,7 @@ def test_a_kept_row_is_matched_by_its_agent_alone_and_counted_once_per_slot():
     table = forest.req_to_token_pool.req_to_token
     allocator.free(table[1, :6].to(torch.int64))  # as SGLang's checkpoint: the row now reads the tree's slots
     table[1, :6] = forest.evictable_leaves.copy().pop().value.to(torch.int32)
-    forest.keep_for_agent(row, forest._state_of(row), 20)
+    forest.keep_for_agent(row, "a", 20)
     allocator.free(table[1, 6:20].to(torch.int64))  # SGLang frees the row past its tree prefix
     forest.on_release(row, checkpointed=True)  # its own slots 6..19 stay with the kept path
     stats = forest.stats()
@@ -449,7 +449,7 @@ def test_a_kept_row_is_matched_by_its_agent_alone_and_counted_once_per_slot():
     assert (matched("a", tokens + [1]), matched("b", tokens + [1]), matched(None, tokens + [1])) == (20, 6, 6)
 
     other = finished("a", tokens[:10] + [7, 7], 2)  # the same first tokens, computed again into other slots
-    forest.keep_for_agent(other, forest._state_of(other), 12)
+    forest.keep_for_agent(other, "a", 12)
     release(forest, other, 12)
     assert forest.stats()["agent_rows_kept"] == 1 and 64 - allocator.available_size() == 20
 

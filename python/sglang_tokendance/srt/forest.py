@@ -1,7 +1,8 @@
 """The segment-hash forest: SGLang's radix cache plus segment nodes keyed by content hash.
 
 Registered as the radix-cache backend "tokendance" (our launcher makes it the default).
-Private prefixes behave exactly like SGLang's Python RadixCache: this class inherits it.
+Private prefixes behave exactly like SGLang's Python RadixCache: this class inherits it
+(through srt/shared_slot_tree.py, per-slot tree counts, and srt/kept_mirrors.py, agents' rows).
 Besides the tree it keeps a SegmentTable keyed by (cache namespace, content hash): when a
 request checkpoints (SGLang calls `checkpoint` after every prefill chunk and step), each of
 its shared segments whose exact KV is complete becomes a segment (a Master). Segments hold K
@@ -28,7 +29,7 @@ reused positions restored as above; the model forward (srt/forward_hook.py) then
 blended prefill on the plans. A request's approximate KV never enters the shared tree, in any
 chunk: it publishes only the part before its first reused token, and caches only segments that
 end before it. Under mirror storage a finished row that names its agent is kept whole for that
-agent alone, in a namespace only the agent's requests match (`keep_for_agent`, `match_prefix`).
+agent alone, in a namespace only the agent's requests match (srt/kept_mirrors.py).
 
 Output registration: srt/output_registration.py. Metrics: srt/metrics.py.
 """
@@ -43,8 +44,7 @@ import time
 from typing import Callable, Hashable, Iterator
 
 import torch
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult, InsertParams, MatchPrefixParams
-from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult
 from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 
 from sglang_tokendance.core.blend import BlendOptions
@@ -59,16 +59,15 @@ from sglang_tokendance.srt.kv_copy import PoolKeys, bytes_per_token, copy_kv
 from sglang_tokendance.srt.metrics import NO_METRICS, ForestMetrics, PrometheusForestMetrics, StorageCounts
 from sglang_tokendance.srt.model import SUPPORTED_ARCHITECTURES
 from sglang_tokendance.srt.output_registration import output_kv_tokens, output_segment_ids
+from sglang_tokendance.srt.kept_mirrors import KeptMirrors, is_kept
 from sglang_tokendance.srt.pool import RefCountedAllocator
-from sglang_tokendance.srt.prompt_interface import carried_payload
 from sglang_tokendance.srt.reuse import ChunkPlan, RequestReuse, is_lora, may_reuse
 
 logger = logging.getLogger(__name__)
 
-KEPT_NAMESPACE = "tokendance-kept"  # extra_key[0] of an agent's kept Mirrors (a tuple: no client can send it)
 
 
-class SegmentForest(RadixCache):
+class SegmentForest(KeptMirrors):
     metrics: ForestMetrics = NO_METRICS  # replaced under --enable-metrics
 
     def __init__(self, params, keys: PoolKeys | None, reuse: bool, salt: bytes = b"",
@@ -83,7 +82,6 @@ class SegmentForest(RadixCache):
         self.requests: dict[object, RequestReuse] = {}  # SGLang's Req -> its reuse, until released
         self.planned: dict[int, ChunkPlan] = {}  # req_pool_idx -> its plan for the coming forward
         self.wanted: set[int] = set()  # ids of the segments the batch being allocated will read
-        self.kept_rows = 0  # finished rows kept for their agent (keep_for_agent)
         # Master-Mirror storage: K un-rotated in the pool, so rows read Masters' slots in place
         self.zero_copy = keys is not None and not keys.rotated  # set first: SGLang's __init__ resets (counts)
         super().__init__(params)
@@ -127,7 +125,7 @@ class SegmentForest(RadixCache):
             if state.register_output:
                 self.register_output(req, state)
             if self.zero_copy and state.agent is not None and exact < up_to:
-                self.keep_for_agent(req, state, up_to)
+                self.keep_for_agent(req, state.agent, up_to)
         self.metrics.update_held()
 
     def on_release(self, req, *, checkpointed: bool) -> None:
@@ -167,41 +165,6 @@ class SegmentForest(RadixCache):
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
         self._cache_segment(state.key(segment_hash(ids, self.salt)), ids, row, len(req.origin_input_ids),
                             output_kv_tokens(req, len(ids)))
-
-    def keep_for_agent(self, req, state: RequestReuse, up_to: int) -> None:
-        """Mirror storage: a finished row holding approximate KV stays in the tree for its
-        agent alone (namespace (KEPT_NAMESPACE, agent, extra_key)): its Master references and
-        its own slots (diff, private tokens, output), one more reference each, no copy. The
-        agent's next prompt that extends it matches it as a prefix (`match_prefix`) and reads
-        exactly the KV it read before; eviction drops it like any leaf. A row whose tokens the
-        agent already keeps with other slots (a different computation) is not kept."""
-        key = RadixKey(req.full_untruncated_fill_ids[:up_to], kept_namespace(state.agent, req.extra_key),
-                       cache_salt=req.cache_salt)
-        row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :up_to].to(torch.int64, copy=True)
-        held = super().match_prefix(MatchPrefixParams(key=key))
-        if not torch.equal(self.path_device_indices(held.last_device_node), row[:held.device_prefix_len]):
-            return
-        inserted = self.insert(InsertParams(key=key, value=row, priority=req.priority or 0))
-        self.token_to_kv_pool_allocator.share(row[inserted.prefix_len:])
-        self.kept_rows += 1
-
-    def match_prefix(self, params: MatchPrefixParams):
-        """SGLang's match; a request naming its agent (mirror storage) takes the agent's kept
-        Mirror instead when that covers more of its prompt."""
-        result = super().match_prefix(params)
-        agent = self._agent_of(params.req)
-        if agent is None:
-            return result
-        key = params.key
-        kept = super().match_prefix(MatchPrefixParams(key=RadixKey(
-            key.token_ids, kept_namespace(agent, key.extra_key), is_bigram=key.is_bigram, limit=key.limit,
-            cache_salt=key.cache_salt)))
-        return kept if kept.device_prefix_len > result.device_prefix_len else result
-
-    def _agent_of(self, req) -> str | None:
-        if req is None or not self.zero_copy or self.disable or is_lora(req):
-            return None
-        return carried_payload(req.sampling_params.custom_params).get("agent")
 
     def _cache_segment(self, key, ids, row: torch.Tensor, start: int, length: int) -> None:
         """Row positions [start, start + length) -- the KV of `ids`, exact -- become the
@@ -417,8 +380,7 @@ class SegmentForest(RadixCache):
             if isinstance(item, SegmentEntry):
                 evicted += self._freed_by(lambda: self._drop_master(self.segments.remove(item)), len(item))
                 continue
-            if self.zero_copy:
-                self.token_to_kv_pool_allocator.refs.tree_holds(item.value, -1)
+            self.leaves_tree(item)
             evicted += self._freed_by(lambda: self.token_to_kv_pool_allocator.free_segment(item.value, start_pos=0),
                                       len(item.value))
             self._delete_leaf(item)
@@ -461,41 +423,6 @@ class SegmentForest(RadixCache):
         refs = self.token_to_kv_pool_allocator.refs
         aside = sum(plan.own.numel() for plan in self.planned.values() if plan.own is not None)
         return refs.protected_slots() + aside - refs.read_slots()
-
-    # --- per-slot tree references (mirror storage: a slot can have several owners) ----------
-
-    def _insert_helper(self, node, key, value, priority: int = 0, inserted_len: int = 0):
-        """SGLang's insert; a new node's slots count one more tree owner."""
-        matched, last = super()._insert_helper(node, key, value, priority, inserted_len)
-        if self.zero_copy and matched < len(key):
-            self.token_to_kv_pool_allocator.refs.tree_holds(last.value, 1)
-        return matched, last
-
-    def inc_lock_ref(self, node):
-        opened = self._path_at_lock_ref(node, 0)
-        result = super().inc_lock_ref(node)
-        for locked in opened:
-            self.token_to_kv_pool_allocator.refs.tree_locks(locked.value, 1)
-        return result
-
-    def dec_lock_ref(self, node, params=None):
-        closing = self._path_at_lock_ref(node, 1)
-        result = super().dec_lock_ref(node, params)
-        for unlocked in closing:
-            self.token_to_kv_pool_allocator.refs.tree_locks(unlocked.value, -1)
-        return result
-
-    def _path_at_lock_ref(self, node, lock_ref: int) -> list:
-        """Under mirror storage: the nodes from `node` up to the root whose lock count is
-        `lock_ref` (those whose slots a lock change opens or closes)."""
-        path = []
-        if not self.zero_copy or self.disable:
-            return path
-        while node is not None and node is not self.root_node:
-            if node.lock_ref == lock_ref:
-                path.append(node)
-            node = node.parent
-        return path
 
     def _segment_only_tokens(self) -> int:
         """Slots held by segments alone (dense storage: all of theirs)."""
@@ -561,17 +488,6 @@ def build_forest(ctx: TreeCacheBuildContext) -> SegmentForest:
     global ACTIVE
     ACTIVE = forest
     return forest
-
-
-def kept_namespace(agent: str, extra_key) -> tuple:
-    """The radix namespace of an agent's kept Mirrors inside SGLang's namespace `extra_key`."""
-    return (KEPT_NAMESPACE, agent, extra_key)
-
-
-def is_kept(node) -> bool:
-    """Whether a tree node is part of an agent's kept Mirror."""
-    extra_key = None if node is None else node.key.extra_key
-    return isinstance(extra_key, tuple) and extra_key[0] == KEPT_NAMESPACE
 
 
 def group_key(req) -> Hashable | None:
