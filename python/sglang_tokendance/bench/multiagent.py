@@ -27,8 +27,8 @@ from typing import Any, Callable, ContextManager
 import aiohttp
 import numpy
 
-from sglang_tokendance.bench.workloads import (Simulation, WorkloadConfig, make_simulation, message_block,
-                                               stand_in_messages)
+from sglang_tokendance.bench.workloads import (Simulation, WorkloadConfig, join_pieces, make_simulation,
+                                               message_block, stand_in_messages)
 from sglang_tokendance.core.blend import BlendOptions
 from sglang_tokendance.core.segments import DEFAULT_SEPARATOR
 
@@ -216,9 +216,7 @@ def request_body(sim: Simulation, mode: Mode, pieces: list[str], prefill_only: b
     output as next round's block (except in prefill-only sessions, whose next blocks are
     stand-ins); under a mode with rounds, the request names its round `round_id` (of all the
     simulation's agents); under a mode with agents, its agent `agent_id`."""
-    text = (DEFAULT_SEPARATOR if mode.marked else "").join(pieces)
-    if mode.marked and any(DEFAULT_SEPARATOR in piece for piece in pieces):
-        raise ValueError(f"a prompt piece contains the separator {DEFAULT_SEPARATOR!r}")
+    text = join_pieces(pieces, DEFAULT_SEPARATOR if mode.marked else "")
     max_new = 1 if prefill_only else sim.config.max_new_tokens
     body = {"text": text, "sampling_params": {"max_new_tokens": max_new, "temperature": 0}}
     options = {"register_output": True} if mode.marked and not prefill_only else {}

@@ -115,10 +115,7 @@ class Simulation:
 
     def prompt_text(self, agent_index: int, round_index: int, shared_blocks: Sequence[str],
                     separator: str = DEFAULT_SEPARATOR) -> str:
-        pieces = self.prompt_pieces(agent_index, round_index, shared_blocks)
-        if separator and any(separator in piece for piece in pieces):
-            raise ValueError(f"a prompt piece contains the separator {separator!r}")
-        return separator.join(pieces)
+        return join_pieces(self.prompt_pieces(agent_index, round_index, shared_blocks), separator)
 
     def plain_prompt(self, agent_index: int, round_index: int,
                      shared_blocks: Sequence[str]) -> str:
@@ -189,6 +186,13 @@ def preset_config(preset: str, **overrides) -> WorkloadConfig:
 def _check_preset(preset: str) -> None:
     if preset not in _STYLES:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(_STYLES)}")
+
+
+def join_pieces(pieces: Sequence[str], separator: str = DEFAULT_SEPARATOR) -> str:
+    """A prompt's text: its pieces joined by the separator ("" for a plain prompt)."""
+    if separator and any(separator in piece for piece in pieces):
+        raise ValueError(f"a prompt piece contains the separator {separator!r}")
+    return separator.join(pieces)
 
 
 def message_block(text: str) -> str:

@@ -55,16 +55,15 @@ from sglang_tokendance.core.selection import SelectionRule, rule_named
 from sglang_tokendance.served_model import model_salt_from_env
 from sglang_tokendance.server_args import TokenDanceArgs
 from sglang_tokendance.srt import policy
+from sglang_tokendance.srt.kept_mirrors import KeptMirrors, is_kept
 from sglang_tokendance.srt.kv_copy import PoolKeys, bytes_per_token, copy_kv
 from sglang_tokendance.srt.metrics import NO_METRICS, ForestMetrics, PrometheusForestMetrics, StorageCounts
 from sglang_tokendance.srt.model import SUPPORTED_ARCHITECTURES
 from sglang_tokendance.srt.output_registration import output_kv_tokens, output_segment_ids
-from sglang_tokendance.srt.kept_mirrors import KeptMirrors, is_kept
 from sglang_tokendance.srt.pool import RefCountedAllocator
 from sglang_tokendance.srt.reuse import ChunkPlan, RequestReuse, is_lora, may_reuse
 
 logger = logging.getLogger(__name__)
-
 
 
 class SegmentForest(KeptMirrors):

@@ -38,7 +38,7 @@ class ReuseCounts:
     segment_misses: int = 0
     adopted_tokens: int = 0  # restored tokens that skipped the probe, taking their round group's choice
     mirror_diff_tokens: int = 0  # own slots at reused positions: recomputed ones (mirror), all (dense)
-    agent_prefix_tokens: int = 0  # the prompt prefix read from its agent's kept Mirror (forest.keep_for_agent)
+    agent_prefix_tokens: int = 0  # the prompt prefix read from its agent's kept Mirror (srt/kept_mirrors.py)
 
     def compression(self) -> float | None:
         """Reused positions per own slot among them (1.0: a dense copy; None: no own slot)."""
