@@ -108,12 +108,12 @@ class SlotRefs:
         self._add(self.locked, slots, delta)
 
     def _evictable(self) -> torch.Tensor:
-        return ((self.refs > 0) & (self.refs == self.tree + self.masters) & (self.locked == 0) & (self.pins == 0))
+        return (self.refs > 0) & (self.refs == self.tree + self.masters) & (self.locked == 0) & (self.pins == 0)
 
     def evictable_slots(self) -> int:
         """Slots evicting every unlocked tree node and every unpinned Master would free: held
         by those alone (no live row's own or reading reference, no lock, no pin)."""
-        return self._count("evictable", lambda: self._evictable())
+        return self._count("evictable", self._evictable)
 
     def protected_slots(self) -> int:
         """Slots the tree or a Master holds that eviction cannot free now (locked, pinned, or
