@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sglang_tokendance.core.slot_refs import DoubleFree, SlotRefs
 
@@ -152,3 +154,112 @@ def test_a_master_dropped_inside_a_free_group_is_released_once():
     pool.unhold(slots)  # evicted while SGLang batches its frees
     pool.free_group_end()
     assert pool.available_size() == 16 and not pool.refs.refs.any()
+
+
+class OwnerModel:
+    """An independent model of who holds each slot: rows (own slots and in-place reads), tree
+    nodes (locked or not) and Masters (pinned or not). A slot is freeable when unlocked nodes
+    and unpinned Masters are its only owners; SlotRefs must count the same."""
+
+    def __init__(self, size: int):
+        self.refs = SlotRefs(size)
+        self.free = list(range(size, 0, -1))
+        self.rows: list[list[int]] = []  # own slots
+        self.nodes: list[tuple[list[int], list[bool]]] = []  # slots, [locked]
+        self.masters: list[tuple[list[int], list[int]]] = []  # slots, [pins]
+        self.reads: list[tuple[int, int]] = []  # (master, row position count) a row reads in place
+
+    def run(self, op: str, a: int, b: int) -> None:
+        t = lambda slots: torch.tensor(slots, dtype=torch.int64)  # noqa: E731
+        if op == "row" and self.free:
+            slots = [self.free.pop() for _ in range(min(1 + a % 4, len(self.free)))]
+            self.refs.allocated(t(slots))
+            self.rows.append(slots)
+        elif op == "insert" and self.rows and self.rows[a % len(self.rows)]:  # the tree takes over own slots
+            own = self.rows[a % len(self.rows)]
+            taken, own[:] = own[:1 + b % len(own)], own[1 + b % len(own):]
+            self.refs.tree_holds(t(taken), 1)
+            self.nodes.append((taken, [False]))
+        elif op == "share" and self.nodes:  # another node (a kept path) holds a node's slots too
+            slots = self.nodes[a % len(self.nodes)][0]
+            self.refs.share(t(slots))
+            self.refs.tree_holds(t(slots), 1)
+            self.nodes.append((list(slots), [False]))
+        elif op == "lock" and self.nodes:
+            slots, locked = self.nodes[a % len(self.nodes)]
+            if locked[0] != bool(b % 2):
+                locked[0] = bool(b % 2)
+                self.refs.tree_locks(t(slots), 1 if locked[0] else -1)
+        elif op == "evict" and self.nodes and not self.nodes[a % len(self.nodes)][1][0]:
+            slots, _ = self.nodes.pop(a % len(self.nodes))
+            self.refs.tree_holds(t(slots), -1)
+            self._freed(self.refs.release(t(slots)))
+        elif op == "master" and (self.nodes or any(self.rows)):
+            pools = [n[0] for n in self.nodes] + [r for r in self.rows if r]
+            slots = list(pools[a % len(pools)])
+            self.refs.hold(t(slots))
+            self.masters.append((slots, [0]))
+        elif op == "read" and self.masters:  # a row reads a Master in place, pinning it
+            slots, pins = self.masters[a % len(self.masters)]
+            self.refs.read(t(slots))
+            self.refs.pin(t(slots))
+            pins[0] += 1
+            self.reads.append((a % len(self.masters), len(slots)))
+        elif op == "unread" and self.reads:
+            index, _ = self.reads.pop(a % len(self.reads))
+            slots, pins = self.masters[index]
+            self.refs.unread(t(slots))
+            self.refs.unpin(t(slots))
+            pins[0] -= 1
+            self._freed(self.refs.release(t(slots)))
+        elif op == "drop_master" and self.masters and not self.masters[-1][1][0]:
+            slots, _ = self.masters.pop()
+            self._freed(self.refs.unhold(t(slots)))
+        elif op == "free_row" and self.rows:
+            own = self.rows.pop(a % len(self.rows))
+            if own:
+                self._freed(self.refs.release(t(own)))
+
+    def _freed(self, slots: torch.Tensor) -> None:
+        self.free += slots.tolist()
+
+    def expected(self) -> tuple[int, int, int, int]:
+        """(freeable, protected, tree-held, in use), counted from the owners."""
+        owners: dict[int, list[bool]] = {}  # slot -> whether each owner is evictable
+        tree_or_master: set[int] = set()
+        for own in self.rows:
+            for s in own:
+                owners.setdefault(s, []).append(False)
+        for index, _ in self.reads:
+            for s in self.masters[index][0]:
+                owners.setdefault(s, []).append(False)
+        for slots, locked in self.nodes:
+            for s in slots:
+                owners.setdefault(s, []).append(not locked[0])
+                tree_or_master.add(s)
+        for slots, pins in self.masters:
+            for s in slots:
+                owners.setdefault(s, []).append(pins[0] == 0)
+                tree_or_master.add(s)
+        freeable = {s for s, flags in owners.items() if all(flags)}
+        tree = {s for slots, _ in self.nodes for s in slots}
+        return len(freeable), len(tree_or_master - freeable), len(tree), len(owners)
+
+
+OPS = ["row", "insert", "share", "lock", "evict", "master", "read", "unread", "drop_master", "free_row"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(OPS), st.integers(0, 50), st.integers(0, 50)), max_size=60))
+def test_slot_counts_match_an_independent_model_of_owners(ops):
+    """Whatever the order of allocations, tree inserts, kept paths sharing slots, locks,
+    evictions, Masters, in-place reads and frees: each slot is counted once, evictable exactly
+    when unlocked tree nodes and unpinned Masters are its only owners, and a slot returns to
+    the free list when its last owner goes."""
+    model = OwnerModel(24)
+    for op, a, b in ops:
+        model.run(op, a, b)
+        freeable, protected, tree, used = model.expected()
+        refs = model.refs
+        assert (refs.evictable_slots(), refs.protected_slots(), refs.tree_slots()) == (freeable, protected, tree)
+        assert int((refs.refs > 0).sum()) == used == 24 - len(model.free)
