@@ -188,19 +188,30 @@ def test_capacity_mode_finds_max_agents_under_slo(tmp_path, tiny_llama):
     from sglang_tokendance import bench_multiagent
 
     out = tmp_path / "cap.jsonl"
-    bench_multiagent.main(["--capacity", "--modes", "radix", "--capacity-rates", "1,4", "--max-agents", "3",
-                           "--model-path", tiny_llama,
+    bench_multiagent.main(["--capacity", "--modes", "radix", "--capacity-rates", "1,4", "--max-agents", "2",
+                           "--capacity-repeats", "2", "--model-path", tiny_llama,
                            "--num-rounds", "1", "--max-new-tokens", "2", "--slo-ms", "600000",
                            "--max-total-tokens", "8192", "--output-file", str(out)])
     records = [json.loads(line) for line in out.read_text().splitlines()]
     capacity = [r for r in records if r["type"] == "capacity"]
-    # A 10-minute SLO holds for every probe, so the search reaches --max-agents at each rate.
-    assert [(r["rate"], r["max_agents"]) for r in capacity] == [(1.0, 3), (4.0, 3)]
+    # A 10-minute SLO holds for every probe, so every search reaches --max-agents at each rate.
+    assert [(r["rate"], r["max_agents"], r["per_repeat"]) for r in capacity] == [(1.0, 2, "2, 2"), (4.0, 2, "2, 2")]
     probes = [r for r in records if r["type"] == "capacity_probe"]
-    assert [p["num_agents"] for p in probes] == [1, 2, 3, 1, 2, 3]
+    assert [(p["repeat"], p["num_agents"]) for p in probes] == [(0, 1), (0, 2)] * 2 + [(1, 1), (1, 2)] * 2
     assert meta_of(records)["max_total_tokens"] == 8192
     for png in ("cap_capacity_latency.png", "cap_capacity_agents.png"):
         assert (tmp_path / png).stat().st_size > 1000
+
+
+def test_capacity_repeats_reverse_the_modes_order_every_other_time():
+    from sglang_tokendance.bench_multiagent import mode_orders, parse_args
+
+    modes = [MODES["radix"], MODES["tokendance"], MODES["tokendance-mirror"]]
+    orders = [[m.name for m in order] for order in mode_orders(modes, 3)]
+    assert orders == [["radix", "tokendance", "tokendance-mirror"], ["tokendance-mirror", "tokendance", "radix"],
+                      ["radix", "tokendance", "tokendance-mirror"]]
+    with pytest.raises(SystemExit):
+        parse_args(["--capacity", "--capacity-repeats", "0"])
 
 
 def meta_of(records):
