@@ -9,6 +9,7 @@ test: each slot counted once, tree and Masters sharing slots)."""
 
 from __future__ import annotations
 
+import functools
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -106,14 +107,19 @@ def test_aborts_mid_prefill_leave_nothing_behind(server):
     assert post(server, agent_prompt(5, 2), 4)["meta_info"]["tokendance"]["segment_hits"] > 0
 
 
+@functools.lru_cache
+def tokenizer_of(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
 class Conversation:
     """An agent's prompt (agent_prompt's pieces, the last one as token ids) that it extends
     with what it decoded, naming the agent so its finished rows are kept (`tokendance.agent`)."""
 
     def __init__(self, url: str, smollm2_path: str, agent: int, name: str):
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+        tokenizer = tokenizer_of(smollm2_path)
         *self.context, reply = agent_prompt(agent, 3).split(SEP)
         self.reply_ids = tokenizer.encode(reply, add_special_tokens=False)
         self.exact_len = len(tokenizer.encode(self.context[0]))  # the private text before the first block

@@ -13,6 +13,8 @@ Kept rows are ordinary tree leaves to eviction.
 
 from __future__ import annotations
 
+from weakref import WeakKeyDictionary
+
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
@@ -37,6 +39,11 @@ def is_kept(node) -> bool:
 
 class KeptMirrors(SharedSlotTree):
     kept_rows: int = 0  # finished rows kept for their agent
+
+    def __init__(self, params):
+        # each request's agent, read from its payload once (SGLang matches a waiting request every step)
+        self.agents: WeakKeyDictionary = WeakKeyDictionary()
+        super().__init__(params)
 
     def keep_for_agent(self, req, agent: str, up_to: int) -> None:
         """The finished row's first `up_to` positions stay in the tree for `agent`, one more
@@ -69,4 +76,6 @@ class KeptMirrors(SharedSlotTree):
     def _agent_of(self, req) -> str | None:
         if req is None or not self.zero_copy or self.disable or is_lora(req):
             return None
-        return carried_payload(req.sampling_params.custom_params).get("agent")
+        if req not in self.agents:
+            self.agents[req] = carried_payload(req.sampling_params.custom_params).get("agent")
+        return self.agents[req]
