@@ -1,4 +1,6 @@
-"""Shared fixtures. Slow tests start real SGLang servers on SmolLM2 (one per module)."""
+"""Shared fixtures. Slow tests start real SGLang servers on SmolLM2: one per module, or one per
+session for the flags several modules share (`default_server_url`, `full_ratio_server_url`,
+`stock_server_url`; each module empties it first)."""
 
 from __future__ import annotations
 
@@ -7,11 +9,46 @@ import pytest
 import requests
 
 from sglang_tokendance.model_store import prepared_default_model
+from sglang_tokendance.server_process import ServerProcess
+
+FULL_RATIO_CHUNK = 64  # --chunked-prefill-size of the shared ratio-1 server
 
 
 @pytest.fixture(scope="session")
 def smollm2_path():
     return prepared_default_model()
+
+
+@pytest.fixture(scope="session")
+def default_server_url(smollm2_path):
+    """One TokenDance server with its default flags for every module that needs no other (a
+    server start costs about a minute of CI's 2 cores); each module's fixture empties it first."""
+    with ServerProcess([]) as proc:
+        yield proc.url
+
+
+@pytest.fixture(scope="session")
+def full_ratio_server_url(smollm2_path):
+    """One TokenDance server recomputing every reused token (ratio 1: a full prefill's outputs),
+    in chunks of FULL_RATIO_CHUNK tokens: the modules comparing ratio 1 with SGLang's own
+    prefill, one prompt, in one chunk or several, share it."""
+    with ServerProcess(["--chunked-prefill-size", str(FULL_RATIO_CHUNK), "--tokendance-recompute-ratio", "1.0",
+                        "--tokendance-check-layer", "2"]) as proc:
+        yield proc.url
+
+
+@pytest.fixture(scope="session")
+def stock_server_url(smollm2_path):
+    """One stock `sglang.launch_server` with its default flags, shared the same way."""
+    with ServerProcess([], stock=True) as proc:
+        yield proc.url
+
+
+def emptied(url: str) -> str:
+    """`url` once its caches are flushed (after its last request ends): a module starts as on a
+    fresh server."""
+    requests.post(url + "/flush_cache", params={"timeout": 120}, timeout=180).raise_for_status()
+    return url
 
 
 @pytest.fixture(scope="session")

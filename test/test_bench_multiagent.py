@@ -43,12 +43,18 @@ class FakeServer:
         self.bodies.append(body)
         if self.fail_every and len(self.bodies) % self.fail_every == 0:
             return web.Response(status=503, text="overloaded")
+        text = f"reply {len(self.bodies)}"
+        ids = [len(body["text"]) % 97, 0]
+        if not body.get("stream"):  # a non-streamed answer's second token is 1 after an odd-length prompt
+            ids[1] = len(body["text"]) % 2
+            meta = {"prompt_tokens": len(body["text"]), "cached_tokens": 1, "completion_tokens": 2}
+            return web.json_response({"text": text, "output_ids": ids, "meta_info": meta})
         resp = web.StreamResponse()
         await resp.prepare(request)
-        text = f"reply {len(self.bodies)}"
         for i, part in enumerate([text[:3], text]):
             meta = {"prompt_tokens": len(body["text"]), "cached_tokens": 1, "completion_tokens": i + 1}
-            await resp.write(f"data: {json.dumps({'text': part, 'meta_info': meta})}\n\n".encode())
+            chunk = {"text": part, "output_ids": ids[:i + 1], "meta_info": meta}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
@@ -120,6 +126,47 @@ def test_a_conversation_prompt_extends_the_agents_previous_prompt_and_answer(fak
         assert by_agent[0][0]["tokendance"]["agent"] != by_agent[1][0]["tokendance"]["agent"]
 
 
+def test_full_prefill_replay_sends_each_round_again_and_counts_identical_outputs(fake):
+    from sglang_tokendance.bench.full_prefill import agreement, replay
+
+    fake.bodies.clear()
+    config = WorkloadConfig(**{**PRESETS["debate"].__dict__, "num_agents": 2, "num_rounds": 2, "conversation": True})
+    result = asyncio.run(run_load(fake.url, MODES["tokendance-kept"], config, 1, float("inf"), Progress()))
+    served = [b["text"] for b in fake.bodies]
+    fake.bodies.clear()
+    progress = Progress()
+    answers = replay(fake.url, result.requests, 5, progress)
+    assert progress.n == 4 and sorted(b["text"] for b in fake.bodies) == sorted(served)
+    assert all(b["sampling_params"] == {"max_new_tokens": 5, "temperature": 0} and "tokendance" not in b
+               and not b.get("stream") for b in fake.bodies)
+    # Each answer is the one to its own prompt: the fake's outputs agree after even-length prompts only.
+    same = [len(r.prompt) % 2 == 0 for r in result.requests]
+    assert [a.output_ids == r.output_ids for a, r in zip(answers, result.requests)] == same
+    row = agreement("kept", result.requests, answers)
+    assert row["identical"] == sum(same)
+    assert row["mean_common_prefix_tokens"] == pytest.approx((2 * sum(same) + 4 - sum(same)) / 4)
+    assert row["same_prompt_lengths"] and set(row["identical_fraction_by_round"]) == {0, 1}
+
+
+def test_agreement_counts_by_round_and_flags_prompts_of_another_length():
+    from sglang_tokendance.bench.full_prefill import Reference, agreement
+    from sglang_tokendance.bench.multiagent import RequestRecord
+
+    def record(round_index, ids, prompt_tokens=10):
+        return RequestRecord(0, round_index, 0, 0.1, 0.2, prompt_tokens, 0, len(ids), 0, "", prompt="p",
+                             output_ids=ids)
+
+    records = [record(0, [1, 2, 3]), record(0, [1, 2, 4]), record(1, [5, 6], prompt_tokens=11)]
+    references = [Reference([1, 2, 3], 10), Reference([1, 2, 3], 10), Reference([7], 10)]
+    row = agreement("m", records, references)
+    assert (row["identical"], row["identical_fraction_by_round"]) == (1, {0: 0.5, 1: 0.0})
+    assert row["mean_common_prefix_tokens"] == pytest.approx(5 / 3)
+    assert row["mean_common_prefix_share"] == pytest.approx((1 + 2 / 3 + 0) / 3)
+    assert not row["same_prompt_lengths"]
+    with pytest.raises(ValueError, match="2 requests but 3 references"):
+        agreement("m", records[:2], references)
+
+
 def test_failed_requests_are_counted_and_the_round_goes_on(fake):
     fake.bodies.clear()
     fake.fail_every = 4
@@ -168,7 +215,7 @@ def test_cli_compares_stock_radix_and_tokendance(tmp_path, tiny_llama):
     from sglang_tokendance import bench_multiagent
 
     out = tmp_path / "ma.jsonl"
-    bench_multiagent.main(["--modes", "radix,tokendance", "--num-agents", "2", "--num-rounds", "2",
+    bench_multiagent.main(["--modes", "radix,tokendance", "--num-agents", "2", "--num-rounds", "2", "--quality",
                            "--model-path", tiny_llama, "--max-new-tokens", "4", "--output-file", str(out)])
     records = [json.loads(line) for line in out.read_text().splitlines()]
     summaries = {r["mode"]: r for r in records if r["type"] == "summary"}
@@ -179,7 +226,11 @@ def test_cli_compares_stock_radix_and_tokendance(tmp_path, tiny_llama):
     md = out.with_suffix(".md").read_text()
     assert "python -m" in md and "--num-agents 2" in md
     assert "Prompt tokens computed by round" in md and set(summaries["radix"]["computed_tokens_by_round"]) == {"0", "1"}
-    for png in ("ma_round_latency.png", "ma_round_prefill.png", "ma_kv_usage.png"):
+    agreement = {r["mode"]: r for r in records if r["type"] == "full_prefill_agreement"}
+    assert set(agreement) == {"radix", "tokendance"}  # every request sent again to a full-prefill server
+    assert all(r["requests"] == 4 and r["same_prompt_lengths"] for r in agreement.values())
+    assert "Greedy outputs against a full prefill" in md
+    for png in ("ma_round_latency.png", "ma_round_prefill.png", "ma_kv_usage.png", "ma_full_prefill_agreement.png"):
         assert (tmp_path / png).stat().st_size > 1000
 
 
@@ -188,16 +239,16 @@ def test_capacity_mode_finds_max_agents_under_slo(tmp_path, tiny_llama):
     from sglang_tokendance import bench_multiagent
 
     out = tmp_path / "cap.jsonl"
-    bench_multiagent.main(["--capacity", "--modes", "radix", "--capacity-rates", "1,4", "--max-agents", "2",
+    bench_multiagent.main(["--capacity", "--modes", "radix", "--capacity-rates", "4", "--max-agents", "2",
                            "--capacity-repeats", "2", "--model-path", tiny_llama,
                            "--num-rounds", "1", "--max-new-tokens", "2", "--slo-ms", "600000",
                            "--max-total-tokens", "8192", "--output-file", str(out)])
     records = [json.loads(line) for line in out.read_text().splitlines()]
     capacity = [r for r in records if r["type"] == "capacity"]
-    # A 10-minute SLO holds for every probe, so every search reaches --max-agents at each rate.
-    assert [(r["rate"], r["max_agents"], r["per_repeat"]) for r in capacity] == [(1.0, 2, "2, 2"), (4.0, 2, "2, 2")]
+    # A 10-minute SLO holds for every probe, so both searches reach --max-agents.
+    assert [(r["rate"], r["max_agents"], r["per_repeat"]) for r in capacity] == [(4.0, 2, "2, 2")]
     probes = [r for r in records if r["type"] == "capacity_probe"]
-    assert [(p["repeat"], p["num_agents"]) for p in probes] == [(0, 1), (0, 2)] * 2 + [(1, 1), (1, 2)] * 2
+    assert [(p["repeat"], p["num_agents"]) for p in probes] == [(0, 1), (0, 2), (1, 1), (1, 2)]
     assert meta_of(records)["max_total_tokens"] == 8192
     for png in ("cap_capacity_latency.png", "cap_capacity_agents.png"):
         assert (tmp_path / png).stat().st_size > 1000

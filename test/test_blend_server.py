@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 import requests
 
-from conftest import generate
+from conftest import FULL_RATIO_CHUNK, emptied, generate
 from sglang_tokendance.core.segments import DEFAULT_SEPARATOR as SEP
-from sglang_tokendance.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -30,9 +29,8 @@ def output_logprobs(out: dict) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def full_ratio_server(smollm2_path):
-    with ServerProcess(["--tokendance-recompute-ratio", "1.0", "--tokendance-check-layer", "2"]) as proc:
-        yield proc.url
+def full_ratio_server(full_ratio_server_url):
+    return emptied(full_ratio_server_url)
 
 
 def test_ratio_one_equals_a_full_prefill(full_ratio_server):
@@ -42,15 +40,15 @@ def test_ratio_one_equals_a_full_prefill(full_ratio_server):
     with_logprobs(url, AUTHOR, "round", 2)  # caches both blocks in Mira's context
     blended = with_logprobs(url, READER, "round")  # same namespace: segments hit, no radix prefix past "You are"
     info = blended["meta_info"]["tokendance"]
+    assert blended["meta_info"]["prompt_tokens"] <= FULL_RATIO_CHUNK  # one chunk (test_chunked_server: several)
     assert info["segment_hits"] == 2 and info["reused_tokens"] == 0 and info["recomputed_tokens"] > 0
     assert blended["output_ids"] == reference["output_ids"]
     assert output_logprobs(blended) == pytest.approx(output_logprobs(reference), abs=2e-3)
 
 
 @pytest.fixture(scope="module")
-def default_server(smollm2_path):
-    with ServerProcess([]) as proc:
-        yield proc.url
+def default_server(default_server_url):
+    return emptied(default_server_url)
 
 
 def test_default_ratio_recomputes_its_share_and_serves_batches(default_server):

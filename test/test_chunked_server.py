@@ -11,7 +11,7 @@ import time
 import pytest
 import requests
 
-from conftest import assert_no_leak, generate, stream_chunks as stream_lines
+from conftest import FULL_RATIO_CHUNK, assert_no_leak, emptied, generate, stream_chunks as stream_lines
 from sglang_tokendance.core.segments import DEFAULT_SEPARATOR as SEP
 from sglang_tokendance.server_process import ServerProcess
 from test_metrics import tokendance_metrics
@@ -124,9 +124,9 @@ def test_reused_request_ids_and_aborts_leave_no_state_behind(default_server):
 
 
 @pytest.fixture(scope="module")
-def full_ratio_server(smollm2_path):
-    with ServerProcess([*CHUNK, "--tokendance-recompute-ratio", "1.0", "--tokendance-check-layer", "2"]) as proc:
-        yield proc.url
+def full_ratio_server(full_ratio_server_url):
+    assert FULL_RATIO_CHUNK == int(CHUNK[1])
+    return emptied(full_ratio_server_url)
 
 
 def test_ratio_one_in_chunks_equals_sglangs_own_chunked_prefill(full_ratio_server):

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from conftest import assert_no_leak, forest_stats, generate
+from conftest import assert_no_leak, emptied, forest_stats, generate
 from sglang_tokendance.core.segments import DEFAULT_SEPARATOR as SEP
 from sglang_tokendance.server_process import ServerProcess
 
@@ -43,9 +43,8 @@ def run_prefix_prompts(url: str) -> list[tuple[list[int], int]]:
 
 
 @pytest.fixture(scope="module")
-def stock_prefix_results(smollm2_path):
-    with ServerProcess([], stock=True) as stock:
-        return run_prefix_prompts(stock.url)
+def stock_prefix_results(stock_server_url):
+    return run_prefix_prompts(emptied(stock_server_url))
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +60,7 @@ def test_forest_is_the_default_radix_cache(server):
 
 
 def test_private_prefixes_hit_like_stock_sglang(server, stock_prefix_results):
-    assert run_prefix_prompts(server) == stock_prefix_results
+    assert run_prefix_prompts(emptied(server)) == stock_prefix_results  # both from an empty cache
 
 
 def test_segments_are_cached_once_per_content(server):

@@ -12,9 +12,8 @@ import requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import generate
+from conftest import emptied, generate
 from sglang_tokendance.core.segments import DEFAULT_SEPARATOR as SEP
-from sglang_tokendance.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -50,10 +49,10 @@ FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=list(Healt
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_path):
-    with ServerProcess([]) as proc:
-        generate(proc.url, GOOD, 2)  # BLOCK is cached: hostile prompts holding it reuse it
-        yield proc.url
+def server(default_server_url):
+    url = emptied(default_server_url)
+    generate(url, GOOD, 2)  # BLOCK is cached: hostile prompts holding it reuse it
+    return url
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import emptied
 from sglang_tokendance.bench.quality import QualityRunner, Setting
 from sglang_tokendance.bench.quality_server import Prompts, ServerConfig, Workload, answer, compare_all
-from sglang_tokendance.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -19,9 +19,8 @@ CONFIG = ServerConfig(settings=(SETTING,), workloads=(Workload(3, 30),), chunked
 
 
 @pytest.fixture(scope="module")
-def server_url(smollm2_path):
-    with ServerProcess([]) as proc:
-        yield proc.url
+def server_url(default_server_url):
+    return emptied(default_server_url)
 
 
 def test_server_blend_matches_in_process(server_url, smollm2_path):

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import requests
 
-from conftest import generate, hf_greedy
-from sglang_tokendance.server_process import ServerProcess
+from conftest import emptied, generate, hf_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -21,9 +20,8 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_path):
-    with ServerProcess([]) as proc:
-        yield proc.url
+def server(default_server_url):
+    return emptied(default_server_url)
 
 
 def test_generate_matches_hf_greedy_token_for_token(server, hf_smollm2):

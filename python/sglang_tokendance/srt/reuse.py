@@ -88,6 +88,9 @@ class ChunkPlan:
 
 @dataclass
 class RequestReuse:
+    """One request's reuse, from planning through the forward to storage: its segments, the
+    Masters its row reads in place and their slots, what is still to cache, and its counts."""
+
     req: Any  # SGLang's Req (only read, and its customized_info written, never extended)
     namespace: Hashable  # SGLang's cache namespace: segments never cross it
     spans: list[SegmentSpan]
@@ -99,12 +102,12 @@ class RequestReuse:
     uninserted: list[SegmentSpan] = field(default_factory=list)  # spans not yet cached
     reading: list[SegmentEntry] = field(default_factory=list)  # Masters the row reads in place (pinned)
     read_slots: dict[int, torch.Tensor] = field(default_factory=dict)  # chunk start -> Master slots its row reads
+    _looked_up: set[int] = field(default_factory=set)  # spans counted as a hit or a miss
 
     @property
     def shared_tokens(self) -> int:
         """Row positions that read a Master's slot in place."""
         return sum(slots.numel() for slots in self.read_slots.values())
-    _looked_up: set[int] = field(default_factory=set)  # spans counted as a hit or a miss
 
     @classmethod
     def of(cls, req, can_reuse: bool, agent_prefix: int = 0) -> "RequestReuse | None":
