@@ -66,6 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--conversation", action="store_true",
                    help="each round's prompt extends the agent's previous prompt and answer (compare "
                         "tokendance-mirror with tokendance-kept, which keeps each agent's row for its next round)")
+    p.add_argument("--quality", action="store_true",
+                   help="send every mode's prompts again to a --disable-tokendance server (a full prefill) and "
+                        "report how many greedy outputs are identical to its (bench/full_prefill.py)")
     p.add_argument("--num-sessions", type=int, default=1, help="simulations run concurrently")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="session arrivals per second")
     p.add_argument("--seed", type=int, default=1)
@@ -89,6 +92,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("a list of --num-agents needs --prefill-only")
     if args.prefill_only and (args.capacity or args.base_url or args.port):
         p.error("--prefill-only starts its own servers and cannot be combined with --capacity")
+    if args.quality and (args.capacity or args.prefill_only or args.base_url or args.port):
+        p.error("--quality compares the modes this command starts, without --capacity or --prefill-only")
     if args.capacity_repeats < 1:
         p.error(f"--capacity-repeats must be at least 1, got {args.capacity_repeats}")
     return args
@@ -189,6 +194,22 @@ def compare(args, systems: Systems, config: WorkloadConfig) -> tuple[list[dict],
             ("Mean round prefill by round (s)", by_round("round_prefill_by_round_s")),
             ("Prompt tokens computed by round", by_round("computed_tokens_by_round")))),
     ]
+    if args.quality:
+        rows = full_prefill_agreement(args, config, results)
+        records += [{"type": "full_prefill_agreement", **r} for r in rows]
+        sections.append(("Greedy outputs against a full prefill of the same prompts (bench/full_prefill.py)",
+                         report.markdown_table(rows, ["mode", "requests", "identical", "identical_fraction",
+                                                      "mean_common_prefix_tokens", "mean_common_prefix_share",
+                                                      "same_prompt_lengths"])))
+        by_round_rows = [{"mode": r["mode"], **{f"round {k}": v for k, v in r["identical_fraction_by_round"].items()}}
+                         for r in rows]
+        sections.append(("Identical to the full prefill, by round", report.markdown_table(
+            by_round_rows, list(by_round_rows[0]))))
+        if not args.no_plot:
+            report.plot_lines(Path(f"{args.output_file.with_suffix('')}_full_prefill_agreement.png"),
+                              "Greedy outputs identical to a full prefill's", "round", "fraction of requests",
+                              {r["mode"]: (list(r["identical_fraction_by_round"]),
+                                           list(r["identical_fraction_by_round"].values())) for r in rows})
     if not args.no_plot:
         stem = args.output_file.with_suffix("")
         for name, title, key in (("round_latency", "Round latency", "round_latency_by_round_s"),
@@ -198,6 +219,21 @@ def compare(args, systems: Systems, config: WorkloadConfig) -> tuple[list[dict],
         report.plot_lines(Path(f"{stem}_kv_usage.png"), "KV cache in use", "seconds", "tokens",
                           {r.mode: ([t for t, _ in r.kv_usage], [u for _, u in r.kv_usage]) for r in results})
     return records, sections
+
+
+def full_prefill_agreement(args, config: WorkloadConfig, results: list[RunResult]) -> list[dict]:
+    """Every mode's requests sent again to one --disable-tokendance server (a full prefill)."""
+    from sglang_tokendance.bench.full_prefill import agreement, replay
+    from sglang_tokendance.server_process import ServerProcess
+
+    rows = []
+    with ServerProcess([*server_argv(args, MODES["radix"]), "--disable-tokendance"]) as reference:
+        for result in results:
+            with tqdm(total=len(result.requests), desc=f"full prefill of {result.mode}'s prompts",
+                      unit="request") as progress:
+                answers = replay(reference.url, result.requests, config.max_new_tokens, progress)
+            rows.append(agreement(result.mode, result.requests, answers))
+    return rows
 
 
 def with_ratios(summaries: list[dict]) -> list[dict]:

@@ -96,6 +96,8 @@ class RequestRecord:
     segment_hits: int = 0  # cached segments the request reused
     adopted_tokens: int = 0  # reused tokens that skipped the probe (its round group's shared probe)
     mirror_diff_tokens: int = 0  # own KV slots at its reused positions (all of them under dense storage)
+    prompt: str = field(default="", repr=False)  # the text it sent (--quality sends it again)
+    output_ids: list[int] = field(default_factory=list, repr=False)
 
     def prompt_tokens_computed(self) -> int:
         """Prompt tokens the forward computed: the server's count, or (stock SGLang, which
@@ -270,6 +272,7 @@ async def run_session(http, url: str, mode: Mode, sim: Simulation, session: int,
                 meta.get("cached_tokens", 0), meta["completion_tokens"], reuse.get("reused_tokens", 0),
                 last["text"], reuse.get("recomputed_tokens", 0), reuse.get("computed_tokens", 0),
                 reuse.get("segment_hits", 0), reuse.get("adopted_tokens", 0), reuse.get("mirror_diff_tokens", 0),
+                bodies[agent]["text"], list(last.get("output_ids", [])),
             ))
         if prefill_only:
             blocks = await register_stand_ins(http, url, mode, sim, round_index, blocks)
