@@ -1,6 +1,8 @@
 """Shared fixtures. Slow tests start real SGLang servers on SmolLM2: one per module, or one per
 session for the flags several modules share (`default_server_url`, `full_ratio_server_url`,
-`stock_server_url`; each module empties it first)."""
+`stock_server_url`; each module empties it first). SGLang's `Engine.shutdown` kills every child
+process of its caller, so a session server must not span test_engine.py (the in-process Engine):
+the shared servers' users all run before it or all after it."""
 
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ import requests
 
 from conftest import FULL_RATIO_CHUNK, emptied, generate
 from sglang_tokendance.core.segments import DEFAULT_SEPARATOR as SEP
+from sglang_tokendance.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -47,8 +48,9 @@ def test_ratio_one_equals_a_full_prefill(full_ratio_server):
 
 
 @pytest.fixture(scope="module")
-def default_server(default_server_url):
-    return emptied(default_server_url)
+def default_server(smollm2_path):
+    with ServerProcess([]) as proc:  # its own: the shared one would span test_engine (see conftest)
+        yield proc.url
 
 
 def test_default_ratio_recomputes_its_share_and_serves_batches(default_server):
