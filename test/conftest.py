@@ -11,7 +11,7 @@ import pytest
 import requests
 
 from sglang_tokendance.model_store import prepared_default_model
-from sglang_tokendance.server_process import ServerProcess
+from sglang_tokendance.server_process import ServerProcess, flush_cache
 
 FULL_RATIO_CHUNK = 64  # --chunked-prefill-size of the shared ratio-1 server
 
@@ -49,7 +49,7 @@ def stock_server_url(smollm2_path):
 def emptied(url: str) -> str:
     """`url` once its caches are flushed (after its last request ends): a module starts as on a
     fresh server."""
-    requests.post(url + "/flush_cache", params={"timeout": 120}, timeout=180).raise_for_status()
+    flush_cache(url)
     return url
 
 

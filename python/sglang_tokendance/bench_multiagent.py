@@ -324,15 +324,10 @@ def model_layers(model_path: str | None) -> int:
     return config["num_hidden_layers"]
 
 
-def flush_cache(url: str) -> None:
-    """Every session starts from an empty cache (the server is idle between sessions)."""
-    import requests
-
-    requests.post(url + "/flush_cache", timeout=60).raise_for_status()
-
-
 def prefill_sweep(args, systems: Systems, config: WorkloadConfig) -> tuple[list[dict], list[tuple[str, str]]]:
     """Prefill-only sessions at every N of --num-agents, interleaved over the modes' servers."""
+    from sglang_tokendance.server_process import flush_cache
+
     modes, layers = systems.modes(), model_layers(args.model_path)
     results: dict[tuple[str, int], list[RunResult]] = {}
     records, idles = [], []

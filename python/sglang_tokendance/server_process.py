@@ -29,6 +29,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def flush_cache(url: str) -> None:
+    """Empty the server's caches once its last request has ended (SGLang's /flush_cache refuses
+    while requests run; its `timeout` waits for them)."""
+    requests.post(url + "/flush_cache", params={"timeout": 120}, timeout=180).raise_for_status()
+
+
 class ServerProcess:
     """A server child in its own process group; `stop()` ends the whole group."""
 

@@ -36,6 +36,7 @@ from sglang_tokendance.bench.quality import (FULL, PLAIN, QualityRunner, Segment
 from sglang_tokendance.bench.workloads import Simulation, make_simulation, preset_config
 from sglang_tokendance.core.blend import BlendOptions
 from sglang_tokendance.core.segments import SegmentedPrompt
+from sglang_tokendance.server_process import flush_cache
 
 TopK = Mapping[int, float]  # token id -> logprob (normalised over the whole vocabulary)
 REQUEST_TIMEOUT = 1800
@@ -288,8 +289,7 @@ def serve(argv: list[str], workloads: list[Prompts], config: ServerConfig, seed:
 def answer(url: str, prompts: Prompts, config: ServerConfig, seed: bool, desc: str) -> list[ServerOutput]:
     """The workload's prompts, one at a time, after a cache flush; with `seed`, each author's
     message is cached first."""
-    r = requests.post(url + "/flush_cache", params={"timeout": 120}, timeout=180)  # waits for the last request
-    r.raise_for_status()
+    flush_cache(url)
     for text in prompts.seed_texts if seed else ():
         post(url, request_body(text, config, 1, with_logprobs=False))
     return [ServerOutput.from_response(post(url, request_body(text, config, config.decode_steps + 1, True)))
