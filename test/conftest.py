@@ -1,8 +1,8 @@
 """Shared fixtures. Slow tests start real SGLang servers on SmolLM2: one per module, or one per
 session for the flags several modules share (`default_server_url`, `full_ratio_server_url`,
-`stock_server_url`; each module empties it first). SGLang's `Engine.shutdown` kills every child
-process of its caller, so a session server must not span test_engine.py (the in-process Engine):
-the shared servers' users all run before it or all after it."""
+`stock_server_url`; each module empties it first). Every server is forked from one process
+that imported SGLang once (`server_process.preloaded`), which also keeps them alive across
+test_engine.py: SGLang's `Engine.shutdown` kills every descendant of the test process."""
 
 from __future__ import annotations
 
@@ -11,9 +11,16 @@ import pytest
 import requests
 
 from sglang_tokendance.model_store import prepared_default_model
-from sglang_tokendance.server_process import ServerProcess, flush_cache
+from sglang_tokendance.server_process import ServerProcess, flush_cache, preloaded
 
 FULL_RATIO_CHUNK = 64  # --chunked-prefill-size of the shared ratio-1 server
+
+
+@pytest.fixture(scope="session", autouse=True)
+def preloaded_servers():
+    """A server start without SGLang's import in its main process (a third of it saved)."""
+    with preloaded():
+        yield
 
 
 @pytest.fixture(scope="session")

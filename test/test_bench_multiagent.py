@@ -152,16 +152,17 @@ def test_agreement_counts_by_round_and_flags_prompts_of_another_length():
     from sglang_tokendance.bench.full_prefill import Reference, agreement
     from sglang_tokendance.bench.multiagent import RequestRecord
 
-    def record(round_index, ids, prompt_tokens=10):
-        return RequestRecord(0, round_index, 0, 0.1, 0.2, prompt_tokens, 0, len(ids), 0, "", prompt="p",
+    def record(round_index, ids, prompt_tokens=10, reused=0):
+        return RequestRecord(0, round_index, 0, 0.1, 0.2, prompt_tokens, 0, len(ids), reused, "", prompt="p",
                              output_ids=ids)
 
-    records = [record(0, [1, 2, 3]), record(0, [1, 2, 4]), record(1, [5, 6], prompt_tokens=11)]
+    records = [record(0, [1, 2, 3], reused=4), record(0, [1, 2, 4]), record(1, [5, 6], prompt_tokens=11, reused=2)]
     references = [Reference([1, 2, 3], 10), Reference([1, 2, 3], 10), Reference([7], 10)]
     row = agreement("m", records, references)
     assert (row["identical"], row["identical_fraction_by_round"]) == (1, {0: 0.5, 1: 0.0})
     assert row["mean_common_prefix_tokens"] == pytest.approx(5 / 3)
     assert row["mean_common_prefix_share"] == pytest.approx((1 + 2 / 3 + 0) / 3)
+    assert row["reused_share"] == pytest.approx(6 / 31)
     assert not row["same_prompt_lengths"]
     with pytest.raises(ValueError, match="2 requests but 3 references"):
         agreement("m", records[:2], references)

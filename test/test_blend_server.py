@@ -8,7 +8,6 @@ import requests
 
 from conftest import FULL_RATIO_CHUNK, emptied, generate
 from sglang_tokendance.core.segments import DEFAULT_SEPARATOR as SEP
-from sglang_tokendance.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -47,15 +46,8 @@ def test_ratio_one_equals_a_full_prefill(full_ratio_server):
     assert output_logprobs(blended) == pytest.approx(output_logprobs(reference), abs=2e-3)
 
 
-@pytest.fixture(scope="module")
-def default_server(smollm2_path):
-    with ServerProcess([]) as proc:  # its own: the shared one would span test_engine (see conftest)
-        yield proc.url
-
-
-def test_default_ratio_recomputes_its_share_and_serves_batches(default_server):
-    url = default_server
-    requests.post(url + "/flush_cache", timeout=60)
+def test_default_ratio_recomputes_its_share_and_serves_batches(default_server_url):
+    url = emptied(default_server_url)
     generate(url, AUTHOR, 2)
     out = generate(url, READER, 8)
     info = out["meta_info"]["tokendance"]
@@ -72,8 +64,8 @@ def test_default_ratio_recomputes_its_share_and_serves_batches(default_server):
     assert batch[1]["output_ids"] == alone
 
 
-def test_input_logprob_requests_take_sglangs_path(default_server):
-    url = default_server
+def test_input_logprob_requests_take_sglangs_path(default_server_url):
+    url = default_server_url
     generate(url, AUTHOR, 2)
     body = {"text": READER.replace("Oskar", "Pia"), "return_logprob": True, "logprob_start_len": 0,
             "sampling_params": {"max_new_tokens": 2, "temperature": 0}}

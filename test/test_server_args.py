@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
 from sglang_tokendance import cpu
 from sglang_tokendance.launch_server import given, with_defaults
 from sglang_tokendance.server_args import ENV_VAR, TokenDanceArgs, TokenDanceArgsError, flag_of
+from sglang_tokendance.server_process import preloaded_launcher
 
 
 def parse(argv):
@@ -109,10 +113,14 @@ def test_no_cpu_defaults_on_cuda_path(smollm2_path):
 
 
 def run_launcher(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "sglang_tokendance.launch_server", *argv],
-        capture_output=True, text=True, timeout=300,
-    )
+    """`python -m sglang_tokendance.launch_server *argv`, forked from the session's preloaded
+    launcher (conftest): the refusals after SGLang's import skip its ~20 s. Its stdout and stderr
+    come back together as `stderr`."""
+    with tempfile.NamedTemporaryFile(suffix=".log") as log:
+        server = preloaded_launcher().start("sglang_tokendance.launch_server", list(argv), dict(os.environ),
+                                            Path(log.name))
+        code = server.wait(timeout=300)
+        return subprocess.CompletedProcess(argv, code, stdout="", stderr=Path(log.name).read_text())
 
 
 def test_unknown_tokendance_flag_exits_with_one_line_error():

@@ -200,7 +200,7 @@ def compare(args, systems: Systems, config: WorkloadConfig) -> tuple[list[dict],
         sections.append(("Greedy outputs against a full prefill of the same prompts (bench/full_prefill.py)",
                          report.markdown_table(rows, ["mode", "requests", "identical", "identical_fraction",
                                                       "mean_common_prefix_tokens", "mean_common_prefix_share",
-                                                      "same_prompt_lengths"])))
+                                                      "same_prompt_lengths", "reused_share"])))
         by_round_rows = [{"mode": r["mode"], **{f"round {k}": v for k, v in r["identical_fraction_by_round"].items()}}
                          for r in rows]
         sections.append(("Identical to the full prefill, by round", report.markdown_table(

@@ -14,13 +14,45 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import requests
 
 from sglang_tokendance import cpu
 from sglang_tokendance.launch_server import with_defaults
+from sglang_tokendance.preloaded_launcher import PreloadedLauncher
 from sglang_tokendance.server_args import ENV_VAR
+
+_preloading = False
+_launcher: PreloadedLauncher | None = None
+
+
+@contextmanager
+def preloaded() -> Iterator[None]:
+    """Within it, every ServerProcess is forked from one process that imported SGLang once (a
+    third of a server start saved; started with the first server) and that is not this
+    process's descendant, so an in-process `sglang.Engine`'s shutdown, which kills every
+    descendant of its process, spares them."""
+    global _preloading, _launcher
+    _preloading = True
+    try:
+        yield
+    finally:
+        if _launcher is not None:
+            _launcher.close()
+        _preloading, _launcher = False, None
+
+
+def preloaded_launcher() -> PreloadedLauncher:
+    """The launcher of the enclosing `preloaded()` block, started on first use."""
+    global _launcher
+    if not _preloading:
+        raise RuntimeError("preloaded_launcher() outside a preloaded() block")
+    if _launcher is None:
+        _launcher = PreloadedLauncher()
+    return _launcher
 
 
 def free_port() -> int:
@@ -55,10 +87,12 @@ class ServerProcess:
         else:
             self._log = open(log_path, "wb")
         self.log_path = Path(self._log.name)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", module, *argv, "--host", "127.0.0.1", "--port", str(self.port)],
-            env=child_env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-        )
+        argv = [*argv, "--host", "127.0.0.1", "--port", str(self.port)]
+        if _preloading:
+            self.proc = preloaded_launcher().start(module, argv, child_env, self.log_path)
+        else:
+            self.proc = subprocess.Popen([sys.executable, "-m", module, *argv], env=child_env, stdout=self._log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
 
     def log_tail(self, chars: int = 4000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:]

@@ -63,8 +63,9 @@ def replay(url: str, records: list[RequestRecord], max_new_tokens: int, progress
 
 def agreement(mode: str, records: list[RequestRecord], references: list[Reference]) -> dict[str, Any]:
     """One mode's outputs against the full prefill's: identical outputs (all and by round), the
-    mean common prefix (tokens, and as a share of the longer output), and whether every prompt
-    was tokenised to the reference's length (the comparison is of the same prompts)."""
+    mean common prefix (tokens, and as a share of the longer output), whether every prompt was
+    tokenised to the reference's length (the comparison is of the same prompts), and the share
+    of prompt tokens whose KV was reused, not computed (what can make an output differ)."""
     if len(records) != len(references):
         raise ValueError(f"{len(records)} requests but {len(references)} references")
     same = [r.output_ids == ref.output_ids for r, ref in zip(records, references)]
@@ -82,5 +83,6 @@ def agreement(mode: str, records: list[RequestRecord], references: list[Referenc
         "mean_common_prefix_tokens": sum(prefixes) / len(prefixes) if prefixes else float("nan"),
         "mean_common_prefix_share": sum(shares) / len(shares) if shares else float("nan"),
         "same_prompt_lengths": all(r.prompt_tokens == ref.prompt_tokens for r, ref in zip(records, references)),
+        "reused_share": sum(r.reused_tokens for r in records) / max(sum(r.prompt_tokens for r in records), 1),
         "identical_fraction_by_round": {k: sum(v) / len(v) for k, v in sorted(by_round.items())},
     }

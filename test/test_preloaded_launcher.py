@@ -1,0 +1,71 @@
+"""The preloaded launcher forks servers that behave as `python -m module argv` started alone."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from sglang_tokendance.server_process import preloaded_launcher
+
+pytestmark = pytest.mark.slow  # a launcher imports SGLang's server once (~20 s on 2 cores)
+
+PRINTS_ITS_WORLD = "import os, sys; print(sys.argv[1:], os.environ.get('PROBE'), os.getpgid(0) == os.getpid())"
+
+
+@pytest.fixture
+def launcher(preloaded_servers):
+    return preloaded_launcher()  # the session's (conftest)
+
+
+def gone(pid: int, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_a_forked_module_gets_its_argv_environment_session_and_log(launcher, tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text(PRINTS_ITS_WORLD + "\nraise SystemExit(3)\n")
+    log = tmp_path / "probe.log"
+    server = launcher.start("probe", ["--flag", "x"], {"PROBE": "yes", "PYTHONPATH": str(tmp_path)}, log)
+    assert server.wait(timeout=60) == 3
+    assert log.read_text().split() == ["['--flag',", "'x']", "yes", "True"]
+
+
+def test_our_launchers_refusal_is_its_exit_status_and_message(launcher, tmp_path):
+    log = tmp_path / "refused.log"
+    server = launcher.start("sglang_tokendance.launch_server", ["--tokendance-nope", "1"], dict(os.environ), log)
+    assert server.wait(timeout=60) == 2
+    assert "unrecognized TokenDance option: --tokendance-nope" in log.read_text()
+
+
+def test_servers_are_not_descendants_of_the_starter(launcher, tmp_path):
+    """SGLang's Engine.shutdown kills every descendant of its process: a server must not be one."""
+    server = launcher.start("http.server", ["--bind", "127.0.0.1", "0"], dict(os.environ), tmp_path / "http.log")
+    assert server.poll() is None
+    descendants = {p.pid for p in psutil.Process().children(recursive=True)}
+    assert server.pid not in descendants
+    assert psutil.Process(server.pid).ppid() not in descendants | {os.getpid()}
+    os.killpg(server.pid, 9)
+    assert server.wait(timeout=60) == -9
+
+
+def test_a_starter_gone_without_closing_takes_the_launcher_and_its_servers(tmp_path):
+    starter = subprocess.run(
+        [sys.executable, "-c",
+         "import os, sys\n"
+         "from sglang_tokendance.preloaded_launcher import PreloadedLauncher\n"
+         "server = PreloadedLauncher().start('http.server', ['--bind', '127.0.0.1', '0'], dict(os.environ), "
+         f"{str(tmp_path / 'http.log')!r})\n"
+         "print(server.pid, flush=True)\n"
+         "os._exit(0)\n"],  # no close(): as if killed
+        capture_output=True, text=True, timeout=300, check=True)
+    assert gone(int(starter.stdout.split()[-1]))
