@@ -34,8 +34,7 @@ def full_ratio_server(full_ratio_server_url):
 
 
 def test_ratio_one_equals_a_full_prefill(full_ratio_server):
-    url = full_ratio_server
-    requests.post(url + "/flush_cache", timeout=60)
+    url = full_ratio_server  # emptied by its fixture
     reference = with_logprobs(url, READER, "reference")  # its own namespace, nothing cached: SGLang's prefill
     with_logprobs(url, AUTHOR, "round", 2)  # caches both blocks in Mira's context
     blended = with_logprobs(url, READER, "round")  # same namespace: segments hit, no radix prefix past "You are"

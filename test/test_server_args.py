@@ -117,10 +117,10 @@ def run_launcher(*argv: str) -> subprocess.CompletedProcess:
     launcher (conftest): the refusals after SGLang's import skip its ~20 s. Its stdout and stderr
     come back together as `stderr`."""
     with tempfile.NamedTemporaryFile(suffix=".log") as log:
-        server = preloaded_launcher().start("sglang_tokendance.launch_server", list(argv), dict(os.environ),
-                                            Path(log.name))
-        code = server.wait(timeout=300)
-        return subprocess.CompletedProcess(argv, code, stdout="", stderr=Path(log.name).read_text())
+        log_path = Path(log.name)
+        code = preloaded_launcher().start("sglang_tokendance.launch_server", list(argv), dict(os.environ),
+                                          log_path).wait(timeout=300)
+        return subprocess.CompletedProcess(argv, code, stdout="", stderr=log_path.read_text())
 
 
 def test_unknown_tokendance_flag_exits_with_one_line_error():
