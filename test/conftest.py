@@ -133,15 +133,25 @@ def assert_no_leak(url: str, timeout: float = 20.0) -> None:
     assert used == owned, f"{used} KV slots in use, {owned} held by the tree and segments: {stats}"
 
 
+def server_urls(value) -> list[str]:
+    """The server URLs a fixture's value holds: itself, or those inside a tuple, list or dict."""
+    if isinstance(value, str):
+        return [value] if value.startswith("http://") else []
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        return [url for item in value for url in server_urls(item)]
+    return []
+
+
 @pytest.fixture(autouse=True)
 def no_kv_leak_after_server_tests(request):
-    """After every test that used a TokenDance server fixture (a fixture named *server whose
-    value is its URL): the leak invariant at quiescence."""
+    """After every slow test: the leak invariant at quiescence on every TokenDance server any of
+    its fixtures handed it (a URL, or URLs in a tuple, list or dict; stock servers have no forest)."""
     yield
     if request.node.get_closest_marker("slow") is None:
         return
-    for name in request.fixturenames:
-        if name.endswith("server") and name in request.node.funcargs:
-            url = request.node.funcargs[name]
-            if isinstance(url, str) and url.startswith("http"):
-                assert_no_leak(url)
+    urls = {url for name in request.fixturenames if name in request.node.funcargs
+            for url in server_urls(request.node.funcargs[name])}
+    for url in sorted(urls):
+        assert_no_leak(url)

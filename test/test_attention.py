@@ -153,6 +153,9 @@ def test_the_log_sum_exp_of_other_devices_equals_the_cpu_kernels(masked):
         attn_mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
     out, lse = sdpa_with_lse(q, k, v, attn_mask, SCALE)
     torch.testing.assert_close(logsumexp_of(q, k, attn_mask, SCALE), lse.float(), atol=1e-5, rtol=1e-5)
+    for block in (1, 2 * HEADS * 5, 3 * 2 * HEADS * 5):  # queries one, two or three at a time
+        torch.testing.assert_close(logsumexp_of(q, k, attn_mask, SCALE, block_elements=block), lse.float(),
+                                   atol=1e-5, rtol=1e-5)
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=not masked, scale=SCALE,
                                               enable_gqa=True)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from sglang_tokendance import demo
@@ -37,4 +39,8 @@ def test_the_main_command_shows_reuse_against_stock_in_one_run(smollm2_path, cap
     assert set(table) == {(side, r) for side in ("tokendance", "--disable-tokendance") for r in (1, 2)}
     assert int(table["tokendance", 2]["reused"]) > 0 and int(table["tokendance", 2]["segment hits"]) > 0
     assert int(table["--disable-tokendance", 2]["reused"]) == 0
-    assert "round 2: prefill" in out and "x faster with TokenDance" in out
+    assert re.search(r"round 2: prefill \d+\.\d\dx (faster|slower) with TokenDance", out)
+
+
+def test_a_slowdown_is_called_slower():
+    assert demo.speed_words(2.0, 1.0) == "2.00x faster" and demo.speed_words(1.0, 2.0) == "2.00x slower"

@@ -113,12 +113,22 @@ def fake_req(spans: list[SegmentSpan], prompt_len: int, **extra):
                            customized_info=None)
 
 
+def options_of(req):
+    from sglang_tokendance.srt.request import RequestOptions
+
+    return RequestOptions.carried_by(req.sampling_params.custom_params)
+
+
+def with_options(req):
+    return req, options_of(req)
+
+
 def test_a_segment_split_over_chunks_is_reused_piecewise_and_counted_once():
     from sglang_tokendance.srt.reuse import NOT_REUSED, RequestReuse
 
     spans = [SegmentSpan(10, 50, "a"), SegmentSpan(60, 100, "b")]
     req = fake_req(spans, prompt_len=120)
-    state = RequestReuse.of(req, can_reuse=True)
+    state = RequestReuse.of(req, options_of(req), can_reuse=True)
     table = SegmentTable()
     table.insert(state.key("a"), torch.arange(100, 140), list(range(10, 50)))
     assert state.first_reused == NOT_REUSED
@@ -144,7 +154,7 @@ def test_a_corrupted_entry_is_refused_and_the_span_computed():
     from sglang_tokendance.srt.reuse import RequestReuse
 
     req = fake_req([SegmentSpan(0, 20, "a"), SegmentSpan(20, 40, "b")], prompt_len=50)
-    state = RequestReuse.of(req, can_reuse=True)
+    state = RequestReuse.of(req, options_of(req), can_reuse=True)
     table = SegmentTable()
     table.insert(state.key("a"), torch.arange(20), list(range(20)))
     table.insert(state.key("b"), torch.arange(20, 40), list(range(20, 40))).checksum ^= 0xFF
@@ -157,7 +167,7 @@ def test_the_last_prompt_token_and_a_short_entry_are_never_reused():
     from sglang_tokendance.srt.reuse import RequestReuse
 
     req = fake_req([SegmentSpan(0, 20, "a"), SegmentSpan(30, 50, "out")], prompt_len=50)
-    state = RequestReuse.of(req, can_reuse=True)
+    state = RequestReuse.of(req, options_of(req), can_reuse=True)
     table = SegmentTable()
     table.insert(state.key("a"), torch.arange(20), list(range(20)))
     table.insert(state.key("out"), torch.arange(100, 119), list(range(30, 50)))  # an output: last token lacks KV
@@ -168,11 +178,11 @@ def test_the_last_prompt_token_and_a_short_entry_are_never_reused():
 def test_requests_without_segments_or_reuse_keep_sglangs_path():
     from sglang_tokendance.srt.reuse import RequestReuse, namespace_of
 
-    assert RequestReuse.of(fake_req([], 10), can_reuse=True) is None
-    registering = RequestReuse.of(fake_req([], 10, register_output=True), can_reuse=True)
+    assert RequestReuse.of(*with_options(fake_req([], 10)), can_reuse=True) is None
+    registering = RequestReuse.of(*with_options(fake_req([], 10, register_output=True)), can_reuse=True)
     assert registering.register_output and not registering.can_reuse
     req = fake_req([SegmentSpan(0, 20, "a")], 30)
-    state = RequestReuse.of(req, can_reuse=False)
+    state = RequestReuse.of(req, options_of(req), can_reuse=False)
     table = SegmentTable()
     table.insert(state.key("a"), torch.arange(20), list(range(20)))
     assert state.plan_chunk(table, 0, 30).runs == [] and req.customized_info is None
@@ -318,8 +328,9 @@ def test_zero_copy_rows_read_one_master_at_different_offsets_and_free_only_their
     kept = torch.zeros(12, dtype=torch.bool)
     kept[[0, 5]] = True  # the blended prefill recomputed two of the first reader's tokens
     free_before = allocator.available_size()
-    forest.settle(forest.planned.pop(1), kept)
-    forest.settle(forest.planned.pop(2), None)  # ratio 0: the second reads the Master everywhere
+    # the second reads the Master everywhere (ratio 0)
+    forest.settle([forest.planned.pop(1), forest.planned.pop(2)], torch.cat([kept, torch.zeros(12, dtype=torch.bool)]),
+                  None)
     assert rows[1, 2] == own[1][2] and rows[1, 7] == own[1][7] and torch.equal(rows[1, 3:7].long(), master[1:5])
     assert allocator.available_size() == free_before + 10 + 12  # every own slot of a token not kept
     assert busy_check() == 64
@@ -343,7 +354,9 @@ def test_a_forward_that_computes_everything_gives_every_reused_position_its_own_
     req = reading_req(forest, 1, [SegmentSpan(0, 12, "a")], 16)
     own = rows[1, :16].clone()
     forest.restore_segments(SimpleNamespace(reqs=[req]))
-    forest.compute_in_full(forest.planned.pop(1))
+    batch = SimpleNamespace(req_pool_indices_cpu=torch.tensor([1]), extend_prefix_lens_cpu=[0],
+                            extend_seq_lens_cpu=[16])
+    assert forest.take_plans(batch, blendable=False) is None and not forest.planned  # SGLang's forward runs
     assert torch.equal(rows[1, :16], own) and forest.stats()["row_references"] == 0
     assert req.customized_info[REUSE_INFO_KEY][0]["recomputed_tokens"] == 12
     forest.restore_segments(SimpleNamespace(reqs=[req]))  # planned again, then the forward never ran
@@ -366,7 +379,7 @@ def test_a_master_shared_with_the_tree_is_counted_once_and_outlives_the_trees_le
     assert forest.evictable_size() == 10 and 64 - allocator.available_size() == 10  # one slot, one count
     reader = reading_req(forest, 1, [SegmentSpan(0, 10, "t")], 12)
     forest.restore_segments(SimpleNamespace(reqs=[reader]))
-    forest.settle(forest.planned.pop(1), None)
+    forest.settle([forest.planned.pop(1)], None, None)
     assert forest.evictable_size() == 0  # the tree's leaf is evictable, but its slots stay with the reader
     assert allocator.available_size() + forest.evictable_size() + forest.protected_size() + 12 == 64
     assert forest.evict(EvictParams(num_tokens=5)).num_tokens_evicted == 0
@@ -403,8 +416,8 @@ def test_allocating_a_batch_evicts_the_segments_it_will_read_last():
     batch = SimpleNamespace(reqs=[req], tree_cache=forest)
     assert restore_after_allocation(prepare_for_extend, batch, 12) == "allocated"
     assert evicted == [4 + 12] and list(forest.segments.entries) == [((None, None), "read")]  # leaf, then other
-    assert [run.entry.key for run in forest.planned[1].runs] == [((None, None), "read")] and not forest.wanted
-    forest.settle(forest.planned.pop(1), None)
+    assert [run.master.key for run in forest.planned[1].runs] == [((None, None), "read")] and not forest.wanted
+    forest.settle([forest.planned.pop(1)], None, None)
     release(forest, req, 20)
 
     req = reading_req(forest, 1, [SegmentSpan(2, 14, "read")], 20)
@@ -461,3 +474,53 @@ def test_a_kept_row_is_matched_by_its_agent_alone_and_counted_once_per_slot():
     forest.dec_lock_ref(node)
     assert forest.evict(EvictParams(num_tokens=20)).num_tokens_evicted == 20
     assert allocator.available_size() == 64 and not allocator.refs.tree.any() and not allocator.refs.refs.any()
+
+
+def dense_forest(size: int = 16):
+    """A forest under dense storage over SGLang's own page-size-1 allocator and a tiny KV pool."""
+    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+
+    from sglang_tokendance.core.rope import RopeSpec
+    from sglang_tokendance.srt.forest import SegmentForest
+    from sglang_tokendance.srt.kv_copy import PoolKeys
+
+    k_buffers, v_buffers = [torch.zeros(size + 1, 1, 8)], [torch.zeros(size + 1, 1, 8)]
+    kvcache = SimpleNamespace(start_layer=0, layer_num=1, get_key_buffer=k_buffers.__getitem__,
+                              get_value_buffer=v_buffers.__getitem__)
+    allocator = TokenToKVPoolAllocator(size, dtype=torch.float32, device="cpu", kvcache=kvcache, need_sort=False)
+    table = SimpleNamespace(req_to_token=torch.zeros(2, 64, dtype=torch.int32))
+    params = CacheInitParams(disable=False, req_to_token_pool=table, token_to_kv_pool_allocator=allocator,
+                             page_size=1, eviction_policy="lru")
+    return SegmentForest(params, PoolKeys(RopeSpec(head_dim=8, rotary_dim=8, base=1e4)), reuse=True)
+
+
+def test_a_segment_cached_while_sglang_defers_frees_evicts_and_is_kept():
+    """SGLang's result processing (where checkpoints cache segments) defers every free to the end
+    of a free group: a dense segment copy that must evict still gets the slots it evicted."""
+    forest = dense_forest(16)
+    allocator = forest.token_to_kv_pool_allocator
+    add_leaf(forest, list(range(300, 310)), int(allocator.alloc(10)[0]), accessed=0.0, created=0.0)
+    author = allocator.alloc(6)  # a finishing request's row: the pool is full
+    assert allocator.available_size() == 0
+    allocator.free_group_begin()
+    forest._cache_segment(((None, None), "s"), list(range(100, 106)), author.to(torch.int32), 0, 6)
+    allocator.free_group_end()
+    assert ((None, None), "s") in forest.segments and forest.evictable_size() == 6  # the leaf went for it
+
+
+def test_eviction_inside_a_free_group_counts_what_it_frees_under_mirror_storage():
+    """Mirror storage counts the slots an eviction frees by their last reference, so inside a
+    free group (nothing reaches the free list yet) it stops once enough is evicted."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    forest = mirror_forest()
+    allocator = forest.token_to_kv_pool_allocator
+    for i in range(3):
+        slots = allocator.alloc(12)
+        add_leaf(forest, list(range(100 * i, 100 * i + 12)), int(slots[0]), accessed=float(i), created=0.0)
+    allocator.free_group_begin()
+    assert forest.evict(EvictParams(num_tokens=5)).num_tokens_evicted == 12
+    assert forest.evictable_size() == 24
+    allocator.free_group_end()
+    assert allocator.available_size() == 64 - 24

@@ -8,10 +8,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from sglang_tokendance.core.collective import RoundTag
 from sglang_tokendance.core.segments import SegmentError
 from sglang_tokendance.server_args import TokenDanceArgs
 from sglang_tokendance.srt.policy import RoundPolicy
-from sglang_tokendance.srt.prompt_interface import CARRIER_KEY, request_options
+from sglang_tokendance.srt.request import CARRIER_KEY, RequestOptions, RequestOptionsCache
 from test_rounds_server import BAD_ROUNDS
 
 
@@ -64,7 +65,8 @@ class Scheduler:
 
 def setup(window_ms: float = 100.0, min_shared: int = 0, budget: int = 100):
     clock = Clock()
-    policy = RoundPolicy(TokenDanceArgs(round_window_ms=window_ms, round_min_shared=min_shared), clock=clock)
+    policy = RoundPolicy(TokenDanceArgs(round_window_ms=window_ms, round_min_shared=min_shared), RequestOptionsCache(),
+                         clock=clock)
     return clock, Scheduler(policy, budget)
 
 
@@ -135,13 +137,22 @@ def test_retracted_request_is_never_held_and_inferred_rounds_group_overlaps():
     assert sched.schedule() == ["x", "y"]
 
 
-def test_request_options_are_validated():
-    assert request_options({"round": "r", "round_size": 2, "register_output": False}, False) == {"round": "r",
-                                                                                                "round_size": 2}
-    assert request_options({"round": "r"}, False) == {"round": "r"} and request_options(None, False) == {}
-    assert request_options({"agent": "alice"}, True) == {"agent": "alice"}
+def test_request_options_are_validated_and_carried_as_one_object():
+    def client(options, mirror=False) -> dict:
+        return RequestOptions.from_client(options, mirror).payload()
+
+    assert client({"round": "r", "round_size": 2, "register_output": False}) == {"segments": [], "round": "r",
+                                                                               "round_size": 2}
+    assert client({"round": "r"}) == {"segments": [], "round": "r"} and client(None) == {"segments": []}
+    assert client({"agent": "alice"}, True) == {"segments": [], "agent": "alice"}
     for options, message in BAD_ROUNDS:
         with pytest.raises(SegmentError, match=message.replace("`", ".")):
-            request_options(options, True)
+            RequestOptions.from_client(options, True)
     with pytest.raises(SegmentError, match="needs --tokendance-storage mirror"):
-        request_options({"agent": "alice"}, False)
+        RequestOptions.from_client({"agent": "alice"}, False)
+    carried = RequestOptions.from_client({"round": "r", "round_size": 3, "register_output": True, "agent": "a"}, True)
+    assert RequestOptions.from_payload(carried.payload()) == carried  # the scheduler reads what was sent
+    assert carried.round == RoundTag("r", 3) and carried.register_output and carried.agent == "a"
+    cache, req = RequestOptionsCache(), Req(rid="x", sampling_params=SimpleNamespace(
+        custom_params={CARRIER_KEY: json.dumps(carried.payload())}))
+    assert cache(req) is cache(req) == carried  # parsed once per request

@@ -251,3 +251,38 @@ def test_interleaved_matches_hf_gptj() -> None:
     k_hf = k[None]  # GPT-J rotates [batch, tokens, heads, head_dim]
     expected = torch.cat((apply_rotary_pos_emb(k_hf[..., :64], sin, cos), k_hf[..., 64:]), -1)[0]
     _assert_close_to_hf(rotate(k, positions, spec), expected, positions, k)
+
+
+@pytest.mark.parametrize("rope_scaling", [
+    None,
+    {"rope_type": "linear", "factor": 2.0},
+    {"rope_type": "dynamic", "factor": 2.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 256},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},
+])
+def test_the_served_spec_equals_sglangs_rotary_tables(rope_scaling, monkeypatch) -> None:
+    """What the server re-rotates cached K with (srt/kv_copy.serving_rope_spec) is the rotation
+    SGLang's own `rotary_emb` applies, for every RoPE type we serve: dynamic NTK included,
+    whose base SGLang stretches once for max_position_embeddings * factor positions."""
+    import sys
+    import types
+
+    from sglang.srt.layers.rotary_embedding.factory import get_rope
+
+    # outside SGLang's CPU engine its constructor binds a vllm kernel it never calls here: the tables come first
+    kernels = types.ModuleType("vllm._custom_ops")
+    kernels.rotary_embedding = None
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    monkeypatch.setitem(sys.modules, "vllm._custom_ops", kernels)
+
+    from sglang_tokendance.srt.kv_copy import serving_rope_spec
+
+    config = {"hidden_size": 256, "num_attention_heads": 4, "max_position_embeddings": 1024, "rope_theta": 10000.0,
+              "rope_scaling": rope_scaling}
+    spec = serving_rope_spec(config)
+    sglang_rope = get_rope(64, 64, 1024, 10000, True, dict(rope_scaling) if rope_scaling else None, torch.float32)
+    positions = torch.tensor([0, 1, 7, 300, 1023])
+    cos, sin = cos_sin(spec, positions)
+    table = sglang_rope.cos_sin_cache[positions].float()
+    torch.testing.assert_close(torch.cat([cos, sin], dim=-1), table, atol=2e-4, rtol=0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -166,7 +167,8 @@ def sglang_args(**overrides):
     from types import SimpleNamespace
 
     base = dict(tp_size=1, pp_size=1, speculative_algorithm=None, kv_cache_dtype="auto", page_size=1,
-                radix_eviction_policy="lru", device="cpu", disable_cuda_graph=True, disable_prefill_cuda_graph=False)
+                radix_eviction_policy="lru", device="cpu", disable_cuda_graph=True, disable_prefill_cuda_graph=False,
+                disable_overlap_schedule=False)
     return SimpleNamespace(**{**base, **overrides})
 
 
@@ -177,7 +179,9 @@ def sglang_args(**overrides):
     ({"kv_cache_dtype": "fp8_e4m3"}, "--kv-cache-dtype"),
     ({"page_size": 16}, "--page-size"),
     ({"radix_eviction_policy": "tlru"}, "--radix-eviction-policy"),
-    ({"device": "cuda", "disable_cuda_graph": False}, "--disable-prefill-cuda-graph"),
+    ({"disable_radix_cache": True}, "--disable-radix-cache"),
+    ({"device": "cuda", "disable_cuda_graph": False, "disable_overlap_schedule": True}, "--disable-prefill-cuda-graph"),
+    ({"device": "cuda", "disable_overlap_schedule": False}, "--disable-overlap-schedule"),
 ])
 def test_configurations_the_blended_prefill_cannot_serve_are_refused(overrides, flag):
     from sglang_tokendance.server_args import check_server_args
@@ -195,9 +199,9 @@ def test_plain_float_kv_caches_and_gpu_without_prefill_graphs_pass():
     for dtype in ("bfloat16", "float32", "auto"):
         check_server_args(TokenDanceArgs(), sglang_args(kv_cache_dtype=dtype))
     check_server_args(TokenDanceArgs(), sglang_args(device="cuda", disable_cuda_graph=False,
-                                                    disable_prefill_cuda_graph=True))
+                                                    disable_prefill_cuda_graph=True, disable_overlap_schedule=True))
     argv = with_defaults(["--model-path", "m"], on_cpu=False, forest=True)
-    assert given(argv, "--disable-prefill-cuda-graph")  # the launcher's GPU default
+    assert given(argv, "--disable-prefill-cuda-graph") and given(argv, "--disable-overlap-schedule")  # GPU defaults
     assert not given(with_defaults(["--model-path", "m"], on_cpu=False, forest=False), "--disable-prefill-cuda-graph")
 
 
@@ -229,7 +233,8 @@ def test_storage_and_attention_backend_must_agree(args, overrides, flag, says):
     from sglang_tokendance.server_args import check_server_args
 
     check_server_args(MIRROR, sglang_args(attention_backend="tokendance"))
-    check_server_args(MIRROR, sglang_args(attention_backend="tokendance", device="cuda", disable_cuda_graph=True))
+    check_server_args(MIRROR, sglang_args(attention_backend="tokendance", device="cuda", disable_cuda_graph=True,
+                                          disable_overlap_schedule=True))
     with pytest.raises(TokenDanceArgsError, match=flag) as refused:
         check_server_args(args, sglang_args(**overrides))
     assert says in str(refused.value) and "\n" not in str(refused.value)
@@ -291,6 +296,30 @@ def test_launcher_refuses_a_model_it_cannot_find_in_one_line():
     assert result.returncode == 2
     last = result.stderr.strip().splitlines()[-1]
     assert "org/not-on-this-machine" in last and "Hugging Face cache" in last
+
+
+def longrope_model(tmp_path, smollm2_path) -> Path:
+    """A model folder whose config asks for a RoPE TokenDance cannot re-rotate (longrope)."""
+    config = json.loads((smollm2_path / "config.json").read_text())
+    pairs = config["hidden_size"] // config["num_attention_heads"] // 2
+    config.pop("rope_parameters", None)
+    config["rope_scaling"] = {"rope_type": "longrope", "rope_theta": 100000.0, "short_factor": [1.0] * pairs,
+                              "long_factor": [1.0] * pairs, "original_max_position_embeddings": 2048}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def test_a_model_whose_rope_cannot_be_rerotated_is_refused_before_sglang_starts(tmp_path, smollm2_path):
+    from sglang_tokendance.served_model import check_rope
+
+    check_rope(str(smollm2_path))  # SmolLM2's plain RoPE is served
+    path = longrope_model(tmp_path, smollm2_path)
+    with pytest.raises(TokenDanceArgsError, match="--model-path.*longrope.*--disable-tokendance"):
+        check_rope(str(path))
+    result = run_launcher("--model-path", str(path))
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert "longrope" in last and "--disable-tokendance" in last
 
 
 def test_options_doc_is_generated_from_the_dataclass():

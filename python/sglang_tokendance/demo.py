@@ -71,6 +71,13 @@ def round_rows(result: RunResult) -> list[dict]:
     return rows
 
 
+def speed_words(stock_s: float, ours_s: float) -> str:
+    """How our time compares with stock's, in words that never call a slowdown "faster"."""
+    if ours_s <= stock_s:
+        return f"{stock_s / ours_s:.2f}x faster"
+    return f"{ours_s / stock_s:.2f}x slower"
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     answers, results = {}, {}
@@ -83,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     print("\n" + tabulate(rows, headers="keys", tablefmt="github"))
     ours, stock = (results[m.name] for m in SIDES)
     for record, base in zip(sorted(ours.rounds, key=lambda r: r.round), sorted(stock.rounds, key=lambda r: r.round)):
-        print(f"[demo] round {record.round + 1}: prefill {base.prefill / record.prefill:.2f}x faster with TokenDance")
+        print(f"[demo] round {record.round + 1}: prefill {speed_words(base.prefill, record.prefill)} with TokenDance")
     for name, result in results.items():
         last = max(q.round for q in result.requests)
         sample = next(q for q in result.requests if q.round == last and q.agent == 0)

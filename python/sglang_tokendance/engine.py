@@ -13,7 +13,7 @@ from typing import Any
 
 from sglang_tokendance import cpu
 from sglang_tokendance.model_store import prepared_default_model
-from sglang_tokendance.served_model import export_model_salt
+from sglang_tokendance.served_model import check_rope, export_model_salt
 from sglang_tokendance.server_args import (
     ATTENTION_BACKEND,
     FOREST_BACKEND,
@@ -42,9 +42,13 @@ class Engine(SGLangEngine):
                 kwargs.setdefault(name, value)
         if tokendance_args.kv_enabled and not kwargs.get("disable_radix_cache"):
             kwargs.setdefault("radix_cache_backend", FOREST_BACKEND)
+        if tokendance_args.kv_enabled and not ON_CPU:
+            kwargs.setdefault("disable_overlap_schedule", True)  # segment KV is copied on the scheduling stream
         if tokendance_args.kv_enabled and not ON_CPU and not kwargs.get("disable_cuda_graph"):
             kwargs.setdefault("disable_prefill_cuda_graph", True)  # graphs would replay SGLang's forward
         check_server_args(tokendance_args, SimpleNamespace(**kwargs))
+        if tokendance_args.kv_enabled:
+            check_rope(kwargs["model_path"], kwargs.get("revision"))
         export_model_salt(kwargs["model_path"], kwargs.get("revision"), kwargs.get("dtype", "auto"),
                           kwargs.get("kv_cache_dtype", "auto"))
         self.tokendance_args = tokendance_args

@@ -12,7 +12,7 @@ import os
 import sys
 
 from sglang_tokendance import cpu
-from sglang_tokendance.served_model import ModelNotLocalError, export_model_salt
+from sglang_tokendance.served_model import ModelNotLocalError, check_rope, export_model_salt
 from sglang_tokendance.server_args import (
     ATTENTION_BACKEND,
     FOREST_BACKEND,
@@ -55,7 +55,8 @@ def given(argv: list[str], flag: str) -> bool:
 def with_defaults(argv: list[str], on_cpu: bool, forest: bool = False, mirror: bool = False) -> list[str]:
     """argv plus our defaults for every flag it does not set; `forest` makes the segment-hash
     forest the radix cache (unless the radix cache is off or another backend is chosen) and,
-    on a GPU, turns prefill CUDA graphs off (they would replay SGLang's own forward); `mirror`
+    on a GPU, turns prefill CUDA graphs off (they would replay SGLang's own forward) and the
+    overlap scheduler (segment KV is copied on the scheduling stream); `mirror`
     (--tokendance-storage mirror) makes the tokendance attention backend the attention backend
     (check_server_args refuses any other) and, on a GPU, turns CUDA graphs off."""
     extra: list[str] = []
@@ -65,6 +66,8 @@ def with_defaults(argv: list[str], on_cpu: bool, forest: bool = False, mirror: b
         extra += ["--disable-cuda-graph"]
     if forest and not given(argv, "--radix-cache-backend") and not given(argv, "--disable-radix-cache"):
         extra += ["--radix-cache-backend", FOREST_BACKEND]
+    if forest and not on_cpu and not given(argv, "--disable-overlap-schedule"):
+        extra += ["--disable-overlap-schedule"]
     if forest and not on_cpu and not given(argv, "--disable-cuda-graph"):
         extra += [] if given(argv, "--disable-prefill-cuda-graph") else ["--disable-prefill-cuda-graph"]
     if not given(argv, "--model-path") and not given(argv, "--model"):
@@ -110,6 +113,8 @@ def main(argv: list[str] | None = None) -> None:
     server_args = prepare_server_args(sglang_argv)
     try:  # before SGLang spawns anything: the guards, and the model's identity computed once
         check_server_args(td_args, server_args)
+        if td_args.kv_enabled:
+            check_rope(server_args.model_path, server_args.revision)
         export_model_salt(server_args.model_path, server_args.revision, server_args.dtype, server_args.kv_cache_dtype)
     except (TokenDanceArgsError, ModelNotLocalError) as e:
         parser.error(str(e))

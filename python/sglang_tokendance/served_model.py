@@ -10,6 +10,7 @@ cache; a model whose files are not on disk is refused at start.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -48,6 +49,22 @@ def model_salt(model_path: str, revision: str | None, dtype: str, kv_cache_dtype
     model_dir = local_model_dir(model_path, revision)
     sums = weight_checksums(model_dir, tokendance_home() / "weight_checksums.json")
     return model_identity(model_dir / "config.json", sums, str(dtype), str(kv_cache_dtype))
+
+
+def check_rope(model_path: str, revision: str | None = None) -> None:
+    """Refuse, in one line, a model whose RoPE TokenDance cannot move between positions
+    (longrope, mrope, ...): cached K is re-rotated to every reader's offset, so the rotation
+    must be exactly the one SGLang's model applies (srt/kv_copy.serving_rope_spec)."""
+    from sglang_tokendance.server_args import TokenDanceArgsError
+    from sglang_tokendance.srt.kv_copy import serving_rope_spec
+
+    config = json.loads((local_model_dir(model_path, revision) / "config.json").read_text())
+    try:
+        serving_rope_spec(config)
+    except ValueError as e:
+        raise TokenDanceArgsError("--model-path", f"{model_path}: {e}, so TokenDance cannot reuse its KV at "
+                                  "other positions; pass --disable-tokendance to serve it with SGLang's own "
+                                  "caching") from None
 
 
 def export_model_salt(model_path: str, revision: str | None = None, dtype: str = "auto",

@@ -237,9 +237,17 @@ def check_server_args(args: TokenDanceArgs, server_args: Any) -> None:
     if (get("page_size") or 1) != 1:
         raise TokenDanceArgsError("--page-size", f"segments are reused token by token, so the KV pool needs page "
                                                  f"size 1, got {get('page_size')}{hint}")
+    if get("disable_radix_cache"):
+        raise TokenDanceArgsError("--disable-radix-cache", "TokenDance's segments are cached beside SGLang's "
+                                  "radix tree and evicted with it; with the radix cache off nothing would ever free "
+                                  f"them{hint}")
     if get("radix_eviction_policy") == "tlru":
         raise TokenDanceArgsError("--radix-eviction-policy", f"tlru needs SGLang's unified radix tree; the segment "
                                                              f"forest builds on its Python radix tree{hint}")
+    if str(get("device") or "cuda") != "cpu" and not get("disable_overlap_schedule"):
+        raise TokenDanceArgsError("--disable-overlap-schedule", "the overlap scheduler copies and re-points segment "
+                                  "KV on its own stream while the previous batch's forward may still write it"
+                                  f"{hint}")
     if str(get("device") or "cuda") != "cpu" and not (get("disable_cuda_graph") or get("disable_prefill_cuda_graph")):
         raise TokenDanceArgsError("--disable-prefill-cuda-graph", "prefill CUDA graphs would replay SGLang's own "
                                                                   f"forward instead of the blended prefill{hint}")

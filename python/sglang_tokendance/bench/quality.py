@@ -44,6 +44,7 @@ from sglang_tokendance.bench.hf_layerwise import DenseKV, HFLayerwise
 from sglang_tokendance.bench.workloads import Simulation, make_simulation, message_block, preset_config
 from sglang_tokendance.core.blend import (BlendOptions, BlendStats, RequestRow, ReusedRun, blended_prefill, finish,
                                           probe, select)
+from sglang_tokendance.core.plan import plan_chunk
 from sglang_tokendance.core.rope import RopeSpec, rotate, unrotate
 from sglang_tokendance.core.segments import DEFAULT_SEPARATOR, Segmenter, SegmentedPrompt, segment_hash
 from sglang_tokendance.core.selection import RULES, fixed_scores, rule_named
@@ -167,21 +168,22 @@ class SegmentStore:
         return store
 
     def place(self, prompt: SegmentedPrompt, kv: DenseKV) -> list[ReusedRun]:
-        """Rotate every cached segment of `prompt` into its slots; return the reused runs (each
-        naming its segment by hash)."""
-        runs = []
-        last = len(prompt.input_ids) - 1  # the last prompt token is always computed
-        for span in prompt.spans:
+        """Plan the whole prompt as the server plans a chunk (core/plan), rotate every cached
+        segment it reads into its slots, and return the reused runs (each naming its segment
+        by hash)."""
+        def lookup(span):
             entry = self.entries.get(span.hash)
-            if entry is None:
-                continue
-            end = min(span.end, last, span.start + entry[0].shape[1])
-            at = torch.arange(span.start, end)
+            return None if entry is None else ((span.hash, entry), entry[0].shape[1])
+
+        n = len(prompt.input_ids)
+        runs = plan_chunk(prompt.spans, lookup, 0, n, n).runs
+        for run in runs:
+            (_, (k, v)), at = run.master, torch.arange(run.start, run.end)
+            cached = slice(run.segment_offset, run.segment_offset + len(run))
             for layer in range(kv.k.shape[0]):
-                kv.k[layer, at] = rotate(entry[0][layer, :end - span.start], at, self.spec)
-                kv.v[layer, at] = entry[1][layer, :end - span.start]
-            runs.append(ReusedRun(span.start, end, 0, span.hash))
-        return runs
+                kv.k[layer, at] = rotate(k[layer, cached], at, self.spec)
+                kv.v[layer, at] = v[layer, cached]
+        return [ReusedRun(run.start, run.end, 0, run.master[0]) for run in runs]
 
 
 class QualityRunner:

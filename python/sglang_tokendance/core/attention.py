@@ -172,16 +172,33 @@ def sdpa_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     return out, logsumexp_of(q, k, mask, scale)
 
 
-def logsumexp_of(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """[B, heads, Lq] log-sum-exp of the attention logits, mask applied (None: causal by index;
-    GQA: query head h reads key head h // group)."""
+LSE_BLOCK_ELEMENTS = 1 << 26  # logits held at once by logsumexp_of: 256 MiB in fp32
+
+
+def logsumexp_of(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                 block_elements: int = LSE_BLOCK_ELEMENTS) -> torch.Tensor:
+    """[B, heads, Lq] log-sum-exp of the attention logits, mask ([B, 1, Lq, Lk]) applied (None:
+    causal by index; GQA: query head h reads key head h // group). Queries go in blocks of at
+    most `block_elements` logits, never the whole [B, heads, Lq, Lk] (8k x 8k x 32 heads would
+    be 8.6 GB in fp32)."""
     rows, heads, lq, d = q.shape
+    step = max(1, block_elements // max(1, rows * heads * k.shape[2]))
+    return torch.cat([_logsumexp_block(q, k, mask, scale, start, min(lq, start + step))
+                      for start in range(0, lq, step)], dim=2)
+
+
+def _logsumexp_block(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float, start: int,
+                     end: int) -> torch.Tensor:
+    """`logsumexp_of` for queries [start, end)."""
+    rows, heads, _, d = q.shape
     kv_heads, lk = k.shape[1], k.shape[2]
-    logits = (q.reshape(rows, kv_heads, -1, d) @ k.transpose(-1, -2)).view(rows, heads, lq, lk) * scale
+    block = q[:, :, start:end]
+    logits = (block.reshape(rows, kv_heads, -1, d) @ k.transpose(-1, -2)).view(rows, heads, end - start, lk) * scale
     if mask is None:
-        logits = logits.masked_fill(torch.ones(lq, lk, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+        hidden = torch.ones(end - start, lk, dtype=torch.bool, device=q.device).triu(1 + start)
+        logits = logits.masked_fill(hidden, float("-inf"))
     else:
-        logits = logits + mask
+        logits = logits + mask[:, :, start:end]
     return logits.float().logsumexp(-1)
 
 

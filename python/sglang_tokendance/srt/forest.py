@@ -48,19 +48,18 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult
 from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 
 from sglang_tokendance.core.blend import BlendOptions
-from sglang_tokendance.core.rope import RopeSpec
 from sglang_tokendance.core.segment_table import SegmentEntry, SegmentTable
 from sglang_tokendance.core.segments import segment_hash
 from sglang_tokendance.core.selection import SelectionRule, rule_named
 from sglang_tokendance.served_model import model_salt_from_env
 from sglang_tokendance.server_args import TokenDanceArgs
-from sglang_tokendance.srt import policy
 from sglang_tokendance.srt.kept_mirrors import KeptMirrors, is_kept
-from sglang_tokendance.srt.kv_copy import PoolKeys, bytes_per_token, copy_kv
+from sglang_tokendance.srt.kv_copy import PoolKeys, bytes_per_token, copy_kv, serving_rope_spec
 from sglang_tokendance.srt.metrics import NO_METRICS, ForestMetrics, PrometheusForestMetrics, StorageCounts
 from sglang_tokendance.srt.model import SUPPORTED_ARCHITECTURES
 from sglang_tokendance.srt.output_registration import output_kv_tokens, output_segment_ids
 from sglang_tokendance.srt.pool import RefCountedAllocator
+from sglang_tokendance.srt.request import RequestOptions, RequestOptionsCache
 from sglang_tokendance.srt.reuse import ChunkPlan, RequestReuse, is_lora, may_reuse
 
 logger = logging.getLogger(__name__)
@@ -71,8 +70,11 @@ class SegmentForest(KeptMirrors):
 
     def __init__(self, params, keys: PoolKeys | None, reuse: bool, salt: bytes = b"",
                  blend: BlendOptions = BlendOptions(), rule: SelectionRule | None = None,
-                 min_segment_tokens: int = 16):
-        self.keys = keys  # the pool's K form; None: the model's RoPE is not supported (no segments)
+                 min_segment_tokens: int = 16, options: Callable[[object], RequestOptions] | None = None,
+                 group_of: Callable[[object], Hashable | None] = lambda req: None):
+        self.options = options or RequestOptionsCache()  # each request's TokenDance options, parsed once
+        self.group_of = group_of  # the key of the round group a request is admitted with (srt/policy)
+        self.keys = keys  # the pool's K form; None: no segments are cached (a plain radix cache)
         self.reuse = reuse and keys is not None
         self.salt = salt
         self.blend, self.rule = blend, rule
@@ -147,6 +149,8 @@ class SegmentForest(KeptMirrors):
 
     def insert_segments(self, req, state: RequestReuse, up_to: int) -> None:
         """Cache the request's shared segments whose exact KV is complete (end <= up_to)."""
+        if not self.caches_segments:
+            return
         ready = [span for span in state.uninserted if span.end <= up_to]
         if not ready:
             return
@@ -158,6 +162,8 @@ class SegmentForest(KeptMirrors):
 
     def register_output(self, req, state: RequestReuse) -> None:
         """Cache a finished request's generated text as a segment (srt/output_registration)."""
+        if not self.caches_segments:
+            return
         ids = output_segment_ids(req, self.min_segment_tokens)
         if ids is None:
             return
@@ -182,15 +188,26 @@ class SegmentForest(KeptMirrors):
                 self.token_to_kv_pool_allocator.hold(slots)
                 self.segments.insert(key, slots, ids)
             return
-        allocator = self.token_to_kv_pool_allocator
-        if 0 < length and allocator.available_size() < length:
-            self.evict(EvictParams(num_tokens=length - allocator.available_size()))
-        slots = allocator.alloc(length) if length > 0 else None
+        slots = self._alloc_evicting(length) if length > 0 else None
         if slots is None:
             return
         positions = torch.arange(start, start + length, device=row.device)
         copy_kv(self.pool, row[start:start + length].to(torch.int64), slots, positions, self.keys.unrotated)
         self.segments.insert(key, slots, ids)
+
+    def _alloc_evicting(self, length: int) -> torch.Tensor | None:
+        """`length` new slots, evicting what the eviction policy ranks first when the pool is
+        short (None: not enough even then). SGLang defers every free of its result processing
+        to the end of a free group, where checkpoints cache segments: the evicted slots are
+        made free first (the group's other frees with them, as its end would), so they can be
+        allocated here."""
+        allocator = self.token_to_kv_pool_allocator
+        if allocator.available_size() < length:
+            self.evict(EvictParams(num_tokens=length - allocator.available_size()))
+            if allocator.free_group is not None:
+                allocator.free_group_end()
+                allocator.free_group_begin()
+        return allocator.alloc(length)
 
     # --- reuse ------------------------------------------------------------------------------
 
@@ -226,7 +243,7 @@ class SegmentForest(KeptMirrors):
             state = self._state_of(req)
             if state is None:
                 continue
-            plan = state.plan_chunk(self.segments, req.prefix_len, req.extend_end, group_key(req))
+            plan = state.plan_chunk(self.segments, req.prefix_len, req.extend_end, self.group_of(req))
             self.metrics.count_restore(plan.hits, plan.misses)
             if not plan.runs:
                 continue
@@ -235,7 +252,7 @@ class SegmentForest(KeptMirrors):
             if not (self.zero_copy or copying):
                 continue
             row = self.req_to_token_pool.req_to_token[plan.pool_index]
-            masters = [run.entry.slots[run.segment_offset:run.segment_offset + run.end - run.start]
+            masters = [run.master.slots[run.segment_offset:run.segment_offset + run.end - run.start]
                        for run in plan.runs]
             if self.zero_copy:
                 self._point_at_masters(plan, row, torch.cat(masters))
@@ -255,10 +272,10 @@ class SegmentForest(KeptMirrors):
         self.token_to_kv_pool_allocator.read(masters)
         plan.request.read_slots[plan.prefix_len] = masters
         for run in plan.runs:
-            self._pin(run.entry)
-            plan.request.reading.append(run.entry)
+            self._pin(run.master)
+            plan.request.reading.append(run.master)
 
-    def settle(self, plan: ChunkPlan, kept: torch.Tensor | None) -> None:
+    def _settle_row(self, plan: ChunkPlan, kept: torch.Tensor | None) -> None:
         """After the blended prefill (zero copy): the reused tokens it kept (`kept`, a mask
         over the plan's reused tokens; None: none) were computed into their own slots, which
         the row takes back; the others keep reading the Master, and their own slots are freed.
@@ -279,7 +296,7 @@ class SegmentForest(KeptMirrors):
         allocator.free(own[~kept])
         for run, part in zip(plan.runs, kept.split([run.end - run.start for run in plan.runs])):
             if bool(part.all()):
-                self._stop_reading(plan.request, run.entry)
+                self._stop_reading(plan.request, run.master)
 
     def _revert(self, plan: ChunkPlan) -> None:
         """Undo `_point_at_masters` before a forward that computes every token itself (or none
@@ -291,7 +308,7 @@ class SegmentForest(KeptMirrors):
         row[plan.positions(row.device)] = own.to(row.dtype)
         self.token_to_kv_pool_allocator.unread(plan.request.read_slots.pop(plan.prefix_len))
         for run in plan.runs:
-            self._stop_reading(plan.request, run.entry)
+            self._stop_reading(plan.request, run.master)
 
     def _pin(self, entry: SegmentEntry) -> None:
         entry.readers += 1
@@ -316,15 +333,18 @@ class SegmentForest(KeptMirrors):
         state = self.requests.get(req)
         if state is None and not is_lora(req):
             agent_prefix = req.prefix_len if is_kept(req.last_node) else 0
-            state = RequestReuse.of(req, can_reuse=self.reuse and may_reuse(req), agent_prefix=agent_prefix)
+            state = RequestReuse.of(req, self.options(req), can_reuse=self.reuse and may_reuse(req),
+                                    agent_prefix=agent_prefix)
             if state is not None:
                 self.requests[req] = state
         return state
 
-    def take_plans(self, forward_batch) -> list[ChunkPlan | None] | None:
-        """The plans of an extend batch, in batch order, or None when no request reuses.
-        A plan whose chunk does not match the batch's (never expected) is dropped, its
-        tokens then computed by SGLang's forward over the restored slots."""
+    def take_plans(self, forward_batch, blendable: bool) -> list[ChunkPlan | None] | None:
+        """The plans of an extend batch, in batch order, or None when no request reuses (then
+        SGLang's forward runs). A batch the blended prefill cannot serve (`blendable` False)
+        runs SGLang's forward too: every reused position gets its own slot back and its
+        tokens count as recomputed. A plan whose chunk does not match the batch's (never
+        expected) is computed in full the same way."""
         if not self.planned:  # the common case: nothing restored for this batch
             return None
         plans = []
@@ -335,23 +355,46 @@ class SegmentForest(KeptMirrors):
             if plan is not None and (plan.prefix_len, plan.extend_len) != (prefix, extend):
                 logger.warning("TokenDance plan for [%d, +%d) met a chunk [%d, +%d); computing it in full",
                                plan.prefix_len, plan.extend_len, prefix, extend)
-                self.compute_in_full(plan)
+                self._compute_in_full(plan)
                 plan = None
             plans.append(plan)
         for plan in self.planned.values():  # not in this forward (never expected)
             self._revert(plan)
         self.planned.clear()
+        if not blendable:
+            for plan in filter(None, plans):
+                self._compute_in_full(plan)
+            return None
         return plans if any(plans) else None
 
-    def compute_in_full(self, plan: ChunkPlan) -> None:
+    def settle(self, plans: list[ChunkPlan], kept: torch.Tensor | None, adopted: torch.Tensor | None) -> None:
+        """After the blended prefill of `plans` (the batch's reusing requests, in batch order):
+        `kept` masks the reused tokens it recomputed, `adopted` those that took their round
+        group's choice (both over the plans' reused tokens in order; None: none). Zero copy:
+        a kept token's own slot goes back into its row (the Mirror's diff), the others' own
+        slots are freed, and a Master none of whose tokens a row still reads is unpinned.
+        Then each request's counts; one host sync for the batch."""
+        if kept is None:  # ratio 0: nothing recomputed
+            masks, counts = [None] * len(plans), [(0, 0)] * len(plans)
+        else:
+            sizes = [plan.reused_tokens for plan in plans]
+            masks = kept.split(sizes)
+            adopted = adopted if adopted is not None else torch.zeros_like(kept)
+            counts = torch.stack([torch.stack([mask.sum(), took.sum()])
+                                  for mask, took in zip(masks, adopted.split(sizes))]).tolist()
+        for plan, mask, (recomputed, adopted_tokens) in zip(plans, masks, counts):
+            self._settle_row(plan, mask)
+            self._record_recomputed(plan, recomputed, adopted_tokens)
+
+    def _compute_in_full(self, plan: ChunkPlan) -> None:
         """SGLang's forward computes the plan's reused tokens, each into its own slot."""
         self._revert(plan)
-        self.record_recomputed(plan, plan.reused_tokens)
+        self._record_recomputed(plan, plan.reused_tokens)
 
-    def record_recomputed(self, plan: ChunkPlan, recomputed: int, adopted: int = 0) -> None:
+    def _record_recomputed(self, plan: ChunkPlan, recomputed: int, adopted: int = 0) -> None:
         """After the forward: `recomputed` of the plan's restored tokens were computed again
-        (under zero copy, after `settle`: only those hold own slots), `adopted` of them skipped
-        the probe."""
+        (under zero copy, after `_settle_row`: only those hold own slots), `adopted` of them
+        skipped the probe."""
         own = recomputed if self.zero_copy else plan.reused_tokens
         plan.request.record_recomputed(plan, recomputed, own, adopted)
         self.metrics.count_reuse(plan.reused_tokens - recomputed, recomputed, own)
@@ -391,14 +434,15 @@ class SegmentForest(KeptMirrors):
         return EvictResult(num_tokens_evicted=evicted)
 
     def _freed_by(self, release: Callable[[], None], tokens: int) -> int:
-        """Slots that `release` (dropping an evicted item's `tokens` references) frees: all of
-        them under dense storage; under mirror storage a slot another owner holds stays."""
+        """Slots that `release` (dropping an evicted item's `tokens` references) frees, now or
+        when SGLang's free group ends: all of them under dense storage; under mirror storage a
+        slot another owner holds stays."""
         if not self.zero_copy:
             release()
             return tokens
-        before = self.token_to_kv_pool_allocator.available_size()
+        before = self.token_to_kv_pool_allocator.released
         release()
-        return self.token_to_kv_pool_allocator.available_size() - before
+        return self.token_to_kv_pool_allocator.released - before
 
     def evictable_size(self) -> int:
         """Slots eviction can free, each once: the tree's unlocked ones and the segments'.
@@ -463,36 +507,23 @@ class SegmentForest(KeptMirrors):
                              sum(s.shared_tokens for s in live))
 
 
-ACTIVE: SegmentForest | None = None  # the scheduler process's forest, for the model forward
-
-
-def build_forest(ctx: TreeCacheBuildContext) -> SegmentForest:
-    """The `register_radix_cache_backend` factory."""
+def build_forest(ctx: TreeCacheBuildContext, options: Callable[[object], RequestOptions],
+                 group_of: Callable[[object], Hashable | None]) -> SegmentForest:
+    """The `register_radix_cache_backend` factory (srt/runtime binds the request options and
+    the round policy of its scheduler)."""
     if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or ctx.enable_hierarchical_cache:
         raise ValueError("the tokendance radix cache supports full-attention models without HiCache")
     hf_config = ctx.model_config.hf_config
     args = TokenDanceArgs.from_env()
-    try:
-        keys = PoolKeys(RopeSpec.from_hf_config(hf_config), rotated=not args.mirror_storage)
-    except ValueError as e:
-        logger.warning("TokenDance segment caching is off for this model: %s", e)
-        keys = None
+    keys = PoolKeys(serving_rope_spec(hf_config), rotated=not args.mirror_storage)  # the launcher checked the RoPE
     architectures = list(hf_config.architectures or [])
     reuse = args.kv_enabled and len(architectures) == 1 and architectures[0] in SUPPORTED_ARCHITECTURES
     if reuse and args.recompute_ratio > 0 and args.check_layer >= hf_config.num_hidden_layers:
         raise ValueError(f"--tokendance-check-layer {args.check_layer} must be below the model's "
                          f"{hf_config.num_hidden_layers} layers")
-    forest = SegmentForest(ctx.params, keys, reuse=reuse, salt=model_salt_from_env(), blend=args.blend_options(),
-                           rule=rule_named(args.selection), min_segment_tokens=args.min_segment_tokens)
-    global ACTIVE
-    ACTIVE = forest
-    return forest
-
-
-def group_key(req) -> Hashable | None:
-    """The key of the round group SGLang is admitting `req` with (srt/policy), or None: the
-    blended prefill selects a group's shared segments together."""
-    return None if policy.ACTIVE is None or (group := policy.ACTIVE.round_of(req)) is None else group.key
+    return SegmentForest(ctx.params, keys, reuse=reuse, salt=model_salt_from_env(), blend=args.blend_options(),
+                         rule=rule_named(args.selection), min_segment_tokens=args.min_segment_tokens,
+                         options=options, group_of=group_of)
 
 
 def restore_after_allocation(prepare_for_extend, batch, *args, **kwargs):

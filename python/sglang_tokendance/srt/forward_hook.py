@@ -14,27 +14,22 @@ as recomputed.
 
 from __future__ import annotations
 
-import torch
 
 from sglang_tokendance.core.blend import RequestRow, blended_prefill
-from sglang_tokendance.srt import forest
 from sglang_tokendance.srt.model import PoolKV, SGLangLayers
 
 
-def model_forward(original, model, input_ids, positions, forward_batch, *args, **kwargs):
-    active = forest.ACTIVE
+def model_forward(forest, original, model, input_ids, positions, forward_batch, *args, **kwargs):
+    """AROUND hook body (srt/runtime binds the scheduler's forest; None: not built yet, or
+    another radix cache): the blended prefill when some request of an extend batch reuses."""
     plans = None
-    if active is not None and forward_batch.forward_mode.is_extend():
-        plans = active.take_plans(forward_batch)
+    if forest is not None and forward_batch.forward_mode.is_extend():
+        plans = forest.take_plans(forward_batch, blendable(forward_batch))
     if plans is None:
-        return original(model, input_ids, positions, forward_batch, *args, **kwargs)
-    if not blendable(forward_batch):
-        for plan in filter(None, plans):
-            active.compute_in_full(plan)
         return original(model, input_ids, positions, forward_batch, *args, **kwargs)
     from sglang.srt.model_executor.forward_context import get_token_to_kv_pool
 
-    req_to_token = active.req_to_token_pool.req_to_token
+    req_to_token = forest.req_to_token_pool.req_to_token
     rows = [RequestRow(prefix, extend, req_to_token[pool_index, :prefix + extend],
                        reused=plan.extend_runs() if plan is not None else (),
                        group=plan.group if plan is not None else None,
@@ -44,19 +39,8 @@ def model_forward(original, model, input_ids, positions, forward_batch, *args, *
                                                         forward_batch.req_pool_indices_cpu.tolist())]
     layers = SGLangLayers(model, forward_batch)
     hidden, stats = blended_prefill(layers, PoolKV(get_token_to_kv_pool(), layers), input_ids, positions, rows,
-                                    active.blend, active.rule, active.keys.rope_on_read)
-    reusing = [plan for plan in plans if plan is not None]
-    if stats.kept is None:  # ratio 0: nothing recomputed
-        masks, counts = [None] * len(reusing), [(0, 0)] * len(reusing)
-    else:  # masks over the batch's reused tokens in batch order; one host sync for the batch
-        sizes = [p.reused_tokens for p in reusing]
-        masks = stats.kept.split(sizes)
-        adopted = stats.adopted if stats.adopted is not None else torch.zeros_like(stats.kept)
-        counts = torch.stack([torch.stack([kept.sum(), took.sum()])
-                              for kept, took in zip(masks, adopted.split(sizes))]).tolist()
-    for plan, mask, (recomputed, adopted_tokens) in zip(reusing, masks, counts):
-        active.settle(plan, mask)
-        active.record_recomputed(plan, recomputed, adopted_tokens)
+                                    forest.blend, forest.rule, forest.keys.rope_on_read)
+    forest.settle([plan for plan in plans if plan is not None], stats.kept, stats.adopted)
     return hidden
 
 

@@ -13,13 +13,13 @@ Kept rows are ordinary tree leaves to eviction.
 
 from __future__ import annotations
 
-from weakref import WeakKeyDictionary
+from typing import Callable
 
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
-from sglang_tokendance.srt.prompt_interface import carried_payload
+from sglang_tokendance.srt.request import RequestOptions
 from sglang_tokendance.srt.reuse import is_lora
 from sglang_tokendance.srt.shared_slot_tree import SharedSlotTree
 
@@ -39,11 +39,7 @@ def is_kept(node) -> bool:
 
 class KeptMirrors(SharedSlotTree):
     kept_rows: int = 0  # finished rows kept for their agent
-
-    def __init__(self, params):
-        # each request's agent, read from its payload once (SGLang matches a waiting request every step)
-        self.agents: WeakKeyDictionary = WeakKeyDictionary()
-        super().__init__(params)
+    options: Callable[[object], RequestOptions]  # each request's options, parsed once (set by the forest)
 
     def keep_for_agent(self, req, agent: str, up_to: int) -> None:
         """The finished row's first `up_to` positions stay in the tree for `agent`, one more
@@ -76,6 +72,4 @@ class KeptMirrors(SharedSlotTree):
     def _agent_of(self, req) -> str | None:
         if req is None or not self.zero_copy or self.disable or is_lora(req):
             return None
-        if req not in self.agents:
-            self.agents[req] = carried_payload(req.sampling_params.custom_params).get("agent")
-        return self.agents[req]
+        return self.options(req).agent

@@ -50,6 +50,18 @@ class PoolKeys:
         return None if self.rotated else RopeOnRead(self.rope)
 
 
+def serving_rope_spec(hf_config) -> RopeSpec:
+    """The RoPE SGLang's `rotary_emb` applies for this config, as core/rope specifies it:
+    dynamic NTK at SGLang's fixed stretch (its cos/sin table is built once for
+    max_position_embeddings * factor positions, unlike HF's per-forward length). Raises
+    ValueError for a RoPE core/rope cannot reproduce (longrope, mrope, ...)."""
+    spec = RopeSpec.from_hf_config(hf_config)
+    scaling = spec.scaling
+    if scaling.type == "dynamic":
+        spec = RopeSpec.from_hf_config(hf_config, seq_len=scaling.max_position_embeddings * scaling.factor)
+    return spec
+
+
 def copy_kv(pool, src: torch.Tensor, dst: torch.Tensor, positions: torch.Tensor,
             k_transform: KTransform | None) -> None:
     """Copy every layer's K and V from slots `src` to slots `dst` (int64, same length); K

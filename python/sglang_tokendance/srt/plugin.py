@@ -20,17 +20,18 @@ def register() -> None:
     from sglang_tokendance.srt import prompt_interface
 
     prompt_interface.register(args)  # the interface stays on under --disable-tokendance
-    _register_forest()
+    from sglang_tokendance.srt.runtime import SchedulerRuntime
+
+    runtime = SchedulerRuntime(args)
+    _register_forest(runtime)
     if args.mirror_storage:
         from sglang_tokendance.srt import pool
 
         HookRegistry.register("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator."
                               "_build_token_to_kv_pool_allocator", pool.install_allocator, HookType.AFTER)
     _register_attention()
-    if args.kv_enabled:  # stock SGLang's scheduling under --disable-tokendance
-        from sglang_tokendance.srt import policy
-
-        policy.register(args)
+    if runtime.policy is not None:  # stock SGLang's scheduling under --disable-tokendance
+        runtime.policy.register_hooks()
 
     def add_tokendance_info(result: dict[str, Any], *unused, **unused_kw) -> dict[str, Any]:
         """/server_info tells clients (e.g. sgl.separator()) that TokenDance is serving."""
@@ -41,17 +42,17 @@ def register() -> None:
     )
 
 
-def _register_forest() -> None:
+def _register_forest(runtime) -> None:
     """The "tokendance" radix-cache backend; our launcher selects it unless told otherwise."""
     from sglang.srt.mem_cache.registry import register_radix_cache_backend, registered_radix_cache_backends
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from sglang_tokendance.server_args import FOREST_BACKEND
-    from sglang_tokendance.srt import forest, forward_hook, reuse
+    from sglang_tokendance.srt import forest, reuse
     from sglang_tokendance.srt.model import FORWARD_HOOK_TARGETS
 
     if FOREST_BACKEND not in registered_radix_cache_backends():
-        register_radix_cache_backend(FOREST_BACKEND, forest.build_forest)
+        register_radix_cache_backend(FOREST_BACKEND, runtime.build_forest)
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler.get_internal_state", forest.add_forest_stats, HookType.AFTER
     )
@@ -60,7 +61,7 @@ def _register_forest() -> None:
         forest.restore_after_allocation, HookType.AROUND,
     )
     for target in FORWARD_HOOK_TARGETS:
-        HookRegistry.register(target, forward_hook.model_forward, HookType.AROUND)
+        HookRegistry.register(target, runtime.model_forward, HookType.AROUND)
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler.get_output_streamer_class",
         reuse.output_streamer_class, HookType.REPLACE,

@@ -25,12 +25,12 @@ members with it: the hook for a collective blended prefill.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable, Hashable
 
-from sglang_tokendance.core.collective import RoundGroup, RoundGrouper, RoundTag
+from sglang_tokendance.core.collective import RoundGroup, RoundGrouper
 from sglang_tokendance.server_args import TokenDanceArgs
 from sglang_tokendance.srt.metrics import NO_ROUND_METRICS, PrometheusRoundMetrics, RoundMetrics
-from sglang_tokendance.srt.prompt_interface import carried_payload
+from sglang_tokendance.srt.request import RequestOptions
 from sglang_tokendance.srt.reuse import namespace_of
 
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
@@ -40,7 +40,8 @@ SCHEDULE_POLICY = "sglang.srt.managers.schedule_policy.SchedulePolicy"
 class RoundPolicy:
     """The scheduler process's round groups."""
 
-    def __init__(self, args: TokenDanceArgs, clock=time.monotonic):
+    def __init__(self, args: TokenDanceArgs, options: Callable[[Any], RequestOptions], clock=time.monotonic):
+        self.options = options  # each request's options, parsed once (srt/request)
         self.grouper: RoundGrouper[Any] = RoundGrouper(args.round_window_ms / 1000, args.round_min_shared)
         self.clock = clock
         self.metrics: RoundMetrics | None = None  # built on the first pass, when SGLang's are known
@@ -72,13 +73,11 @@ class RoundPolicy:
         for req in waiting_queue:
             if self.grouper.knows(req):
                 continue
-            payload = carried_payload(req.sampling_params.custom_params)
-            tag = RoundTag(payload["round"], payload.get("round_size")) if "round" in payload else None
+            options = self.options(req)
             if len(req.output_ids) > 0:  # retracted after decoding: never held again
-                tag, hashes = None, ()
+                self.grouper.arrive(req, namespace_of(req), None, (), now)
             else:
-                hashes = [span["hash"] for span in payload["segments"]]
-            self.grouper.arrive(req, namespace_of(req), tag, hashes, now)
+                self.grouper.arrive(req, namespace_of(req), options.round, options.hashes, now)
 
     def order(self, result, schedule_policy, waiting_queue: list, *unused, **unused_kw):
         """AFTER hook on SchedulePolicy.calc_priority: released groups stand together."""
@@ -100,6 +99,20 @@ class RoundPolicy:
         """The group of a request SGLang is admitting (None: no round)."""
         return self.grouper.group_of.get(req)
 
+    def group_key(self, req) -> Hashable | None:
+        """The key of the round group SGLang is admitting `req` with, or None: the blended
+        prefill selects a group's shared segments together."""
+        group = self.round_of(req)
+        return None if group is None else group.key
+
+    def register_hooks(self) -> None:
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+        HookRegistry.register(f"{SCHEDULER}.get_new_batch_prefill", self.get_new_batch_prefill, HookType.AROUND)
+        HookRegistry.register(f"{SCHEDULE_POLICY}.calc_priority", self.order, HookType.AFTER)
+        HookRegistry.register(f"{SCHEDULER}.abort_request", self.forget_aborted, HookType.AFTER)
+        HookRegistry.register(f"{SCHEDULER}.get_internal_state", self.add_stats, HookType.AFTER)
+
 
 def _put_back(before: list, held: set[int], after: list) -> list:
     """The waiting queue after a pass: everything not admitted, in its order before the pass,
@@ -113,17 +126,3 @@ def _metrics_of(scheduler) -> RoundMetrics:
     """Our series beside the scheduler's own, with its labels, when SGLang collects metrics."""
     collector = scheduler.metrics_collector  # None unless --enable-metrics
     return NO_ROUND_METRICS if collector is None else PrometheusRoundMetrics(collector.labels)
-
-
-ACTIVE: RoundPolicy | None = None  # the scheduler process's policy
-
-
-def register(args: TokenDanceArgs) -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    global ACTIVE
-    ACTIVE = policy = RoundPolicy(args)
-    HookRegistry.register(f"{SCHEDULER}.get_new_batch_prefill", policy.get_new_batch_prefill, HookType.AROUND)
-    HookRegistry.register(f"{SCHEDULE_POLICY}.calc_priority", policy.order, HookType.AFTER)
-    HookRegistry.register(f"{SCHEDULER}.abort_request", policy.forget_aborted, HookType.AFTER)
-    HookRegistry.register(f"{SCHEDULER}.get_internal_state", policy.add_stats, HookType.AFTER)

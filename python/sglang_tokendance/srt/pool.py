@@ -23,6 +23,7 @@ class RefCountedAllocator(TokenToKVPoolAllocator):
     """A slot is free when its last owner frees it."""
 
     refs: SlotRefs
+    released: int = 0  # slots whose last reference went, ever (free now, or when a free group ends)
 
     def clear(self) -> None:
         super().clear()
@@ -35,12 +36,22 @@ class RefCountedAllocator(TokenToKVPoolAllocator):
         return slots
 
     def free(self, free_index: torch.Tensor) -> None:
+        """Drop one reference per slot. Inside SGLang's batched frees (a free group, during
+        result processing) the references go now and the slots whose last one went reach the
+        free list when the group ends; `released` counts them either way."""
         if free_index.numel() == 0:
             return
-        if self.free_group is not None:  # SGLang's batched frees: counted when the group ends
-            self.free_group.append(self._copy_for_free_group(free_index))
+        released = self.refs.release(free_index.to(torch.int64))
+        self.released += released.numel()
+        if self.free_group is not None:
+            self.free_group.append(released)
             return
-        self._to_free_list(self.refs.release(free_index.to(torch.int64)))
+        self._to_free_list(released)
+
+    def free_group_end(self) -> None:
+        pending, self.free_group = self.free_group, None
+        if pending:
+            self._to_free_list(torch.cat(pending))
 
     def share(self, slots: torch.Tensor) -> None:
         """One more owner (a tree node) takes a reference on each of `slots`."""
@@ -61,11 +72,13 @@ class RefCountedAllocator(TokenToKVPoolAllocator):
 
     def unhold(self, slots: torch.Tensor) -> None:
         """A Master drops its references (evicted, or the cache reset)."""
-        self._to_free_list(self.refs.unhold(slots))
+        released = self.refs.unhold(slots)
+        self.released += released.numel()
+        self._to_free_list(released)
 
     def _to_free_list(self, released: torch.Tensor) -> None:
-        """Slots whose last reference went: SGLang's free list, now (already counted, they
-        must not pass a free group's deferred `free` again)."""
+        """Slots whose last reference went: SGLang's free list, now (their references are
+        dropped already, so they must not pass through our `free` again)."""
         group, self.free_group = self.free_group, None
         try:
             super().free(released)

@@ -19,12 +19,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from sglang_tokendance.core.collective import MAX_ROUND_ID_CHARS, MAX_ROUND_SIZE
 from sglang_tokendance.core.segments import Piece, SegmentError, Segmenter
 from sglang_tokendance.served_model import model_salt_from_env
 from sglang_tokendance.server_args import TokenDanceArgs
+from sglang_tokendance.srt.request import CARRIER_KEY, RequestOptions
 
-CARRIER_KEY = "tokendance"  # in sampling_params.custom_params; only this module sets it
 REUSE_INFO_KEY = "tokendance_reuse"  # scheduler -> meta_info: reused / computed token counts
 TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
 SERVING_CHAT = "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat"
@@ -103,55 +102,21 @@ async def _generate_request(original, args, tokenizer_manager, obj, request, *re
         try:
             apply_segments(obj, segments_field=segments, from_chat=chat,
                            segmenter=segmenter_of(tokenizer_manager, args),
-                           options=request_options(options, args.mirror_storage))
+                           options=RequestOptions.from_client(options, args.mirror_storage))
         except SegmentError as e:
             raise ValueError(str(e)) from None
     async for out in original(tokenizer_manager, obj, request, *rest, **kw):
         yield out
 
 
-OPTIONS_SHAPE = ('`tokendance` must be an object like {"register_output": true, "round": "r1", "round_size": 4, '
-                 '"agent": "alice"}')
-
-
-def request_options(options: Any, mirror_storage: bool) -> dict:
-    """The request's `tokendance` object, validated, as the scheduler receives it:
-    "register_output" (cache the generated text as a segment), "round" (the client's name
-    for the multi-agent round it belongs to), "round_size" (how many requests it has) and
-    "agent" (keep the finished request's KV for this agent's next prompt: mirror storage)."""
-    if options is None:
-        return {}
-    if not isinstance(options, dict) or set(options) - {"register_output", "round", "round_size", "agent"}:
-        raise SegmentError(OPTIONS_SHAPE)
-    agent = options.get("agent")
-    if agent is not None and not (isinstance(agent, str) and 0 < len(agent) <= MAX_ROUND_ID_CHARS):
-        raise SegmentError(f"`tokendance.agent` must be a non-empty string of at most {MAX_ROUND_ID_CHARS} "
-                           f"characters, got {json.dumps(agent)[:80]}")
-    if agent is not None and not mirror_storage:
-        raise SegmentError("`tokendance.agent` keeps a request's KV as Master references plus its own diff "
-                           "for the agent's next prompt: it needs --tokendance-storage mirror")
-    if not isinstance(options.get("register_output", False), bool):
-        raise SegmentError(f"`tokendance.register_output` must be true or false; {OPTIONS_SHAPE}")
-    round_id, size = options.get("round"), options.get("round_size")
-    if round_id is not None and not (isinstance(round_id, str) and 0 < len(round_id) <= MAX_ROUND_ID_CHARS):
-        raise SegmentError(f"`tokendance.round` must be a non-empty string of at most {MAX_ROUND_ID_CHARS} "
-                           f"characters, got {json.dumps(round_id)[:80]}")
-    if size is not None and not (type(size) is int and 1 <= size <= MAX_ROUND_SIZE):
-        raise SegmentError(f"`tokendance.round_size` must be an integer in [1, {MAX_ROUND_SIZE}], "
-                           f"got {json.dumps(size)[:80]}")
-    if size is not None and round_id is None:
-        raise SegmentError("`tokendance.round_size` needs `tokendance.round`")
-    return {key: value for key, value in options.items() if value not in (None, False)}
-
-
-def apply_segments(obj, *, segments_field, from_chat: bool, segmenter: Segmenter, options: dict | None = None) -> None:
+def apply_segments(obj, *, segments_field, from_chat: bool, segmenter: Segmenter,
+                   options: RequestOptions = RequestOptions()) -> None:
     """Rewrite a GenerateReqInput in place: segmented prompts become ids + carried spans.
 
     Chat prompts are rendered templates, which SGLang encodes without added special tokens.
-    `options` (from `request_options`) ride along to the scheduler with every prompt.
+    `options` (the client's, validated) ride along to the scheduler with every prompt.
     """
     strip_client_carrier(obj)
-    extra = options or {}
     texts = obj.text
     if segments_field is not None:
         if texts is not None or obj.input_ids is not None:
@@ -162,8 +127,8 @@ def apply_segments(obj, *, segments_field, from_chat: bool, segmenter: Segmenter
         batched = isinstance(texts, list)
         items = texts if batched else [texts]
         if texts is None or not any(isinstance(t, str) and segmenter.has_marker(t) for t in items):
-            if extra:  # a plain prompt keeps SGLang's own path; only the options ride along
-                _carry(obj, [{"segments": [], **extra}] * (len(items) if batched else 1), batched)
+            if options != RequestOptions():  # a plain prompt keeps SGLang's own path; only the options ride along
+                _carry(obj, [options] * (len(items) if batched else 1), batched)
             return
         if obj.input_ids is not None:
             raise SegmentError("separators in `text` cannot be combined with `input_ids`")
@@ -171,7 +136,7 @@ def apply_segments(obj, *, segments_field, from_chat: bool, segmenter: Segmenter
     results = [segmenter.from_pieces(p, add_special_tokens=not from_chat) for p in prompts]
     obj.text = None
     obj.input_ids = [r.input_ids for r in results] if batched else results[0].input_ids
-    _carry(obj, [{**r.to_json(), **extra} for r in results], batched)
+    _carry(obj, [options.with_spans(r.spans) for r in results], batched)
 
 
 def strip_client_carrier(obj) -> None:
@@ -197,14 +162,14 @@ def _segments_as_prompts(value: Any) -> list[list[Piece]]:
     return value if _is_batch_of_pieces(value) else [value]
 
 
-def _carry(obj, payloads: list[dict], batched: bool) -> None:
-    """Put each prompt's payload in its own sampling_params copy (SGLang shares one dict)."""
+def _carry(obj, options: list[RequestOptions], batched: bool) -> None:
+    """Put each prompt's options in its own sampling_params copy (SGLang shares one dict)."""
     params = obj.sampling_params
-    base = params if isinstance(params, list) else [params] * len(payloads)
+    base = params if isinstance(params, list) else [params] * len(options)
     carried = []
-    for p, payload in zip(base, payloads):
+    for p, prompt_options in zip(base, options):
         p = dict(p or {})
-        p["custom_params"] = {**(p.get("custom_params") or {}), CARRIER_KEY: json.dumps(payload)}
+        p["custom_params"] = {**(p.get("custom_params") or {}), CARRIER_KEY: json.dumps(prompt_options.payload())}
         carried.append(p)
     obj.sampling_params = carried if batched else carried[0]
 
@@ -212,14 +177,8 @@ def _carry(obj, payloads: list[dict], batched: bool) -> None:
 def carried_info(obj) -> dict:
     """meta_info["tokendance"] of one request (empty segments for plain prompts)."""
     params = obj.sampling_params
-    return carried_payload(params.get("custom_params") if isinstance(params, dict) else None)
-
-
-def carried_payload(custom_params: dict | None) -> dict:
-    """The scheduler's end of the route: a request's shared segments ("segments": span
-    dicts) and options (`request_options`), from its `SamplingParams.custom_params`."""
-    raw = custom_params.get(CARRIER_KEY) if isinstance(custom_params, dict) else None
-    return json.loads(raw) if raw else {"segments": []}
+    custom = params.get("custom_params") if isinstance(params, dict) else None
+    return RequestOptions.carried_by(custom).payload()
 
 
 def _wait_one_response(original, self, obj, request=None, *rest, **kw):
@@ -297,7 +256,7 @@ def _streaming_contract_error(args: TokenDanceArgs, body: Any) -> str | None:
     try:
         apply_segments(obj, segments_field=body.get("segments"), from_chat=False,
                        segmenter=segmenter_of(_global_state.tokenizer_manager, args),
-                       options=request_options(body.get("tokendance"), args.mirror_storage))
+                       options=RequestOptions.from_client(body.get("tokendance"), args.mirror_storage))
     except SegmentError as e:
         return str(e)
     return None

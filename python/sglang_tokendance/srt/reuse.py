@@ -22,7 +22,9 @@ from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOu
 from sglang_tokendance.core.blend import ReusedRun
 from sglang_tokendance.core.segment_table import SegmentEntry, SegmentTable
 from sglang_tokendance.core.segments import SegmentSpan
-from sglang_tokendance.srt.prompt_interface import REUSE_INFO_KEY, carried_payload
+from sglang_tokendance.core.plan import ChunkRuns, PlannedRun, plan_chunk
+from sglang_tokendance.srt.prompt_interface import REUSE_INFO_KEY
+from sglang_tokendance.srt.request import RequestOptions
 
 NOT_REUSED = 1 << 62  # first_reused of a request that reused nothing (yet)
 
@@ -47,17 +49,6 @@ class ReuseCounts:
 
 
 @dataclass
-class PlannedRun:
-    """Prompt positions [start, end) restored from `entry`, whose token `segment_offset` is
-    the run's first."""
-
-    start: int
-    end: int
-    segment_offset: int
-    entry: SegmentEntry
-
-
-@dataclass
 class ChunkPlan:
     """One request's reuse in one extend forward; `group` the key of its round group
     (srt/policy) while the forward runs it with other members (None: no round)."""
@@ -65,7 +56,7 @@ class ChunkPlan:
     request: "RequestReuse"
     prefix_len: int
     extend_len: int
-    runs: list[PlannedRun]
+    runs: list[PlannedRun[SegmentEntry]]
     hits: int = 0
     misses: int = 0
     group: Hashable | None = None
@@ -74,7 +65,7 @@ class ChunkPlan:
 
     @property
     def reused_tokens(self) -> int:
-        return sum(run.end - run.start for run in self.runs)
+        return sum(len(run) for run in self.runs)
 
     def positions(self, device: torch.device) -> torch.Tensor:
         """The reused row positions, in run order."""
@@ -82,7 +73,7 @@ class ChunkPlan:
 
     def extend_runs(self) -> list[ReusedRun]:
         """The runs relative to the chunk's first token, as core/blend takes them."""
-        return [ReusedRun(r.start - self.prefix_len, r.end - self.prefix_len, r.segment_offset, r.entry.key)
+        return [ReusedRun(r.start - self.prefix_len, r.end - self.prefix_len, r.segment_offset, r.master.key)
                 for r in self.runs]
 
 
@@ -110,18 +101,16 @@ class RequestReuse:
         return sum(slots.numel() for slots in self.read_slots.values())
 
     @classmethod
-    def of(cls, req, can_reuse: bool, agent_prefix: int = 0) -> "RequestReuse | None":
+    def of(cls, req, options: RequestOptions, can_reuse: bool, agent_prefix: int = 0) -> "RequestReuse | None":
         """The state of a request that carries segments, asks for output registration or
-        names its agent. `agent_prefix`: its matched prefix is its agent's kept Mirror, whose
-        KV is approximate past its first reused token, so nothing of this row enters the
-        shared tree or becomes a segment (its exact part is there already)."""
-        payload = carried_payload(req.sampling_params.custom_params)
-        spans = [SegmentSpan(**s) for s in payload["segments"]]
-        register = bool(payload.get("register_output"))
-        agent = payload.get("agent")
-        if not spans and not register and agent is None:
+        names its agent (`options`, parsed once). `agent_prefix`: its matched prefix is its
+        agent's kept Mirror, whose KV is approximate past its first reused token, so nothing of
+        this row enters the shared tree or becomes a segment (its exact part is there already)."""
+        if not options.concerns_tokendance:
             return None
-        state = cls(req, namespace_of(req), spans, can_reuse and bool(spans), register, agent, uninserted=list(spans))
+        spans = list(options.spans)
+        state = cls(req, namespace_of(req), spans, can_reuse and bool(spans), options.register_output, options.agent,
+                    uninserted=list(spans))
         if agent_prefix:
             state.first_reused = 0
             state.counts.agent_prefix_tokens = agent_prefix
@@ -141,25 +130,15 @@ class RequestReuse:
 
     def plan_chunk(self, table: SegmentTable, prefix_len: int, extend_end: int,
                    group: Hashable | None = None) -> ChunkPlan:
-        """Look the chunk [prefix_len, extend_end) up: every span piece in it whose segment is
-        cached (the last prompt token is always computed). Counts the chunk's tokens."""
-        plan = ChunkPlan(self, prefix_len, extend_end - prefix_len, [], group=group)
+        """Plan the chunk [prefix_len, extend_end) (core/plan) over the cached segments of the
+        request's namespace; counts the chunk's tokens, and each span's hit or miss once."""
+        runs = ChunkRuns()
         if self.can_reuse:
-            last_fresh = len(self.req.origin_input_ids) - 1
-            for index, span in enumerate(self.spans):
-                start, end = max(span.start, prefix_len), min(span.end, extend_end, last_fresh)
-                if end <= start:
-                    continue
-                entry = table.lookup(self.key(span.hash), self.req.origin_input_ids[span.start:span.end])
-                counted = index in self._looked_up
-                self._looked_up.add(index)
-                if entry is not None:
-                    end = min(end, span.start + len(entry))  # an output segment lacks its last token
-                    plan.hits += not counted
-                    if end > start:
-                        plan.runs.append(PlannedRun(start, end, start - span.start, entry))
-                else:
-                    plan.misses += not counted
+            ids = self.req.origin_input_ids
+            runs = plan_chunk(self.spans, lambda span: self._lookup(table, span, ids), prefix_len, extend_end, len(ids))
+        plan = ChunkPlan(self, prefix_len, extend_end - prefix_len, runs.runs, group=group,
+                         hits=len(set(runs.found) - self._looked_up), misses=len(set(runs.missed) - self._looked_up))
+        self._looked_up.update(runs.found + runs.missed)
         reused = plan.reused_tokens
         if plan.runs:
             self.first_reused = min(self.first_reused, plan.runs[0].start)
@@ -169,6 +148,10 @@ class RequestReuse:
         self.counts.segment_misses += plan.misses
         self.publish()
         return plan
+
+    def _lookup(self, table: SegmentTable, span: SegmentSpan, ids) -> tuple[SegmentEntry, int] | None:
+        entry = table.lookup(self.key(span.hash), ids[span.start:span.end])
+        return None if entry is None else (entry, len(entry))
 
     def record_recomputed(self, plan: ChunkPlan, recomputed: int, own: int, adopted: int = 0) -> None:
         """After the forward: `recomputed` of the plan's restored tokens were computed again;

@@ -1,0 +1,72 @@
+"""Which tokens of a prefill chunk read a cached segment (a Master), and from where: pure.
+
+A prompt's shared segments are spans [start, end) with a content hash. A chunk of the prompt
+[prefix_len, extend_end) (the whole prompt, or one piece under chunked prefill) reads, for
+every span piece inside it whose segment is cached, the segment's tokens from the piece's
+offset in the span: a `PlannedRun`. The server (srt/reuse: Masters are the forest's segment
+entries) and the quality benchmark (bench/quality: Masters are dense KV tensors) plan with
+this one function, so a benchmark measures the plan the server makes.
+
+Rules: the prompt's last token is always computed (its logits start the answer); a Master
+shorter than its span (a registered output lacks its last token's KV) covers only its
+length, and the rest of the span is computed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Generic, Sequence, TypeVar
+
+from sglang_tokendance.core.segments import SegmentSpan
+
+Master = TypeVar("Master")
+
+
+@dataclass(frozen=True)
+class PlannedRun(Generic[Master]):
+    """Prompt positions [start, end) read from `master`, whose token `segment_offset` is the
+    run's first (non-zero when the span began before the chunk)."""
+
+    start: int
+    end: int
+    segment_offset: int
+    master: Master
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class ChunkRuns(Generic[Master]):
+    """A chunk's runs in prompt order, and which spans (by index) the lookup found or missed."""
+
+    runs: list[PlannedRun[Master]] = field(default_factory=list)
+    found: list[int] = field(default_factory=list)
+    missed: list[int] = field(default_factory=list)
+
+    @property
+    def reused_tokens(self) -> int:
+        return sum(len(run) for run in self.runs)
+
+
+def plan_chunk(spans: Sequence[SegmentSpan], lookup: Callable[[SegmentSpan], tuple[Master, int] | None],
+               prefix_len: int, extend_end: int, prompt_len: int) -> ChunkRuns[Master]:
+    """The runs of chunk [prefix_len, extend_end) of a `prompt_len`-token prompt.
+    `lookup(span)` gives a span's cached Master and its cached length, or None; it is
+    called only for the spans that overlap the chunk."""
+    plan: ChunkRuns[Master] = ChunkRuns()
+    last_fresh = prompt_len - 1
+    for index, span in enumerate(spans):
+        start, end = max(span.start, prefix_len), min(span.end, extend_end, last_fresh)
+        if end <= start:
+            continue
+        found = lookup(span)
+        if found is None:
+            plan.missed.append(index)
+            continue
+        master, length = found
+        plan.found.append(index)
+        end = min(end, span.start + length)
+        if end > start:
+            plan.runs.append(PlannedRun(start, end, start - span.start, master))
+    return plan

@@ -1,0 +1,121 @@
+"""A request's `tokendance` options: validated once in the tokenizer manager, parsed once in the scheduler.
+
+The client's `tokendance` object (`"register_output"`, `"round"`, `"round_size"`, `"agent"`)
+is checked by `RequestOptions.from_client` (bad input: `SegmentError`, a 400). The tokenizer
+manager (srt/prompt_interface) adds the prompt's segment spans and sends the whole as JSON in
+`sampling_params.custom_params[CARRIER_KEY]`, a key stripped from client input first, so a
+client can never supply spans or hashes. In the scheduler `RequestOptionsCache` turns that
+JSON into one `RequestOptions` per SGLang `Req`, the first time anything asks (the round
+policy when the request arrives, the forest when it is matched and planned), and every later
+reader gets the same object.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from typing import Any
+from weakref import WeakKeyDictionary
+
+from sglang_tokendance.core.collective import MAX_ROUND_ID_CHARS, MAX_ROUND_SIZE, RoundTag
+from sglang_tokendance.core.segments import SegmentError, SegmentSpan
+
+CARRIER_KEY = "tokendance"  # in sampling_params.custom_params; only the tokenizer manager sets it
+OPTIONS_SHAPE = ('`tokendance` must be an object like {"register_output": true, "round": "r1", "round_size": 4, '
+                 '"agent": "alice"}')
+CLIENT_FIELDS = frozenset({"register_output", "round", "round_size", "agent"})
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """What TokenDance knows of one request: its shared segments (token spans and content
+    hashes) and its client's options. `round`: the multi-agent round it belongs to (None: no
+    round); `agent`: keep the finished row's KV for this agent's next prompt (mirror storage)."""
+
+    spans: tuple[SegmentSpan, ...] = ()
+    register_output: bool = False
+    round: RoundTag | None = None
+    agent: str | None = None
+
+    @property
+    def concerns_tokendance(self) -> bool:
+        """Whether the scheduler keeps per-request state for it (segments, output
+        registration or a named agent); any other request is SGLang's alone."""
+        return bool(self.spans) or self.register_output or self.agent is not None
+
+    @property
+    def hashes(self) -> list[str]:
+        return [span.hash for span in self.spans]
+
+    @classmethod
+    def from_client(cls, options: Any, mirror_storage: bool) -> "RequestOptions":
+        """The client's `tokendance` object (None: absent), validated; `SegmentError` names
+        the first bad field."""
+        if options is None:
+            return cls()
+        if not isinstance(options, dict) or set(options) - CLIENT_FIELDS:
+            raise SegmentError(OPTIONS_SHAPE)
+        agent = options.get("agent")
+        _check_name("agent", agent)
+        if agent is not None and not mirror_storage:
+            raise SegmentError("`tokendance.agent` keeps a request's KV as Master references plus its own diff "
+                               "for the agent's next prompt: it needs --tokendance-storage mirror")
+        if not isinstance(options.get("register_output", False), bool):
+            raise SegmentError(f"`tokendance.register_output` must be true or false; {OPTIONS_SHAPE}")
+        round_id, size = options.get("round"), options.get("round_size")
+        _check_name("round", round_id)
+        if size is not None and not (type(size) is int and 1 <= size <= MAX_ROUND_SIZE):
+            raise SegmentError(f"`tokendance.round_size` must be an integer in [1, {MAX_ROUND_SIZE}], "
+                               f"got {json.dumps(size)[:80]}")
+        if size is not None and round_id is None:
+            raise SegmentError("`tokendance.round_size` needs `tokendance.round`")
+        return cls.from_payload({key: value for key, value in options.items() if value not in (None, False)})
+
+    @classmethod
+    def from_payload(cls, payload: dict) -> "RequestOptions":
+        """The options as the tokenizer manager carried them (`payload`)."""
+        spans = tuple(SegmentSpan(**span) for span in payload.get("segments", ()))
+        tag = RoundTag(payload["round"], payload.get("round_size")) if "round" in payload else None
+        return cls(spans, bool(payload.get("register_output")), tag, payload.get("agent"))
+
+    @classmethod
+    def carried_by(cls, custom_params: dict | None) -> "RequestOptions":
+        """The scheduler's end of the route: the options in SGLang's `SamplingParams.custom_params`."""
+        raw = custom_params.get(CARRIER_KEY) if isinstance(custom_params, dict) else None
+        return cls.from_payload(json.loads(raw)) if raw else cls()
+
+    def with_spans(self, spans: tuple[SegmentSpan, ...]) -> "RequestOptions":
+        return replace(self, spans=spans)
+
+    def payload(self) -> dict:
+        """The JSON form carried to the scheduler, and shown as meta_info["tokendance"]."""
+        payload: dict[str, Any] = {"segments": [span.to_json() for span in self.spans]}
+        if self.register_output:
+            payload["register_output"] = True
+        if self.round is not None:
+            payload["round"] = self.round.round_id
+            if self.round.size is not None:
+                payload["round_size"] = self.round.size
+        if self.agent is not None:
+            payload["agent"] = self.agent
+        return payload
+
+
+def _check_name(name: str, value: Any) -> None:
+    if value is not None and not (isinstance(value, str) and 0 < len(value) <= MAX_ROUND_ID_CHARS):
+        raise SegmentError(f"`tokendance.{name}` must be a non-empty string of at most {MAX_ROUND_ID_CHARS} "
+                           f"characters, got {json.dumps(value)[:80]}")
+
+
+class RequestOptionsCache:
+    """The scheduler's `RequestOptions` of each live SGLang `Req`, parsed on first use and
+    forgotten with the request (SGLang matches a waiting request at every scheduling step)."""
+
+    def __init__(self) -> None:
+        self._options: WeakKeyDictionary = WeakKeyDictionary()
+
+    def __call__(self, req) -> RequestOptions:
+        options = self._options.get(req)
+        if options is None:
+            options = self._options[req] = RequestOptions.carried_by(req.sampling_params.custom_params)
+        return options
