@@ -71,14 +71,32 @@ def test_full_prefill_equals_hf(model):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("rule", sorted(RULES))
-@pytest.mark.parametrize("sparse", [True, False])
-def test_ratio_one_is_a_full_prefill(model, rule, sparse):
+def test_ratio_one_is_a_full_prefill(model):
+    """Ratio 1 keeps every reused token whatever a rule would score: blended_prefill takes that
+    short way (no probe) and must equal a full prefill."""
     ids = prompt()
     kv, row = reuse_row(model, ids, cached_segment(model, ids, prompt(2)[:7]))
-    out, stats = logits(model, ids, kv, row, BlendOptions(recompute_ratio=1.0, check_layer=2,
-                                                         sparse_writeback=sparse), rule_named(rule))
+    options = BlendOptions(recompute_ratio=1.0, check_layer=2)
+    assert options.keeps_everything
+    out, stats = logits(model, ids, kv, row, options, rule_named("attention-kv"))
     torch.testing.assert_close(out, hf_logits(model, ids), atol=1e-4, rtol=1e-4)
+    assert stats.kept_tokens == stats.reused_tokens == SEG[1] - SEG[0]
+    assert stats.token_layers == stats.full_token_layers  # no probe layers on top
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("rule", sorted(RULES))
+@pytest.mark.parametrize("sparse", [True, False])
+def test_the_probe_path_keeping_every_reused_token_is_a_full_prefill(model, rule, sparse):
+    """The path every ratio below 1 takes -- probe with `rule` up to the check layer, write-back
+    (sparse or not), then the kept tokens through the rest -- is exact when it keeps every
+    reused token: the probe's KV of kept tokens is the full prefill's, whatever the rule."""
+    ids = prompt()
+    kv, row = reuse_row(model, ids, cached_segment(model, ids, prompt(2)[:7]))
+    options = BlendOptions(recompute_ratio=0.5, check_layer=2, sparse_writeback=sparse)
+    checked = probe(model, kv, ids, torch.arange(ids.numel()), [row], rule_named(rule), options)
+    hidden, stats = finish(model, kv, checked, torch.ones(SEG[1] - SEG[0], dtype=torch.bool), options)
+    torch.testing.assert_close(model.logits(hidden[-1]), hf_logits(model, ids), atol=1e-4, rtol=1e-4)
     assert stats.kept_tokens == stats.reused_tokens == SEG[1] - SEG[0]
 
 
@@ -234,10 +252,9 @@ def test_screen_passes_a_share_and_only_those_can_be_kept():
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("sparse", [True, False])
-def test_screen_with_everything_passing_is_still_a_full_prefill_at_ratio_one(model, sparse):
+def test_screen_with_everything_passing_is_still_a_full_prefill_at_ratio_one(model):
     ids = prompt()
     kv, row = reuse_row(model, ids, cached_segment(model, ids, prompt(2)[:7]))
-    options = BlendOptions(recompute_ratio=1.0, check_layer=2, screen_layer=1, sparse_writeback=sparse)
+    options = BlendOptions(recompute_ratio=1.0, check_layer=2, screen_layer=1)
     out, _ = logits(model, ids, kv, row, options, rule_named("attention-kv"))
     torch.testing.assert_close(out, hf_logits(model, ids), atol=1e-4, rtol=1e-4)

@@ -310,7 +310,7 @@ def test_zero_copy_rows_read_one_master_at_different_offsets_and_free_only_their
     forest = mirror_forest()
     allocator, rows = forest.token_to_kv_pool_allocator, forest.req_to_token_pool.req_to_token
     author = allocator.alloc(12)
-    forest._cache_segment(((None, None), "a"), list(range(100, 112)), author.to(torch.int32), 0, 12)
+    forest.storage.cache(((None, None), "a"), list(range(100, 112)), author.to(torch.int32), 0, 12)
     allocator.free(author)  # the author's row ends: the Master alone holds its slots (zero copy: no new slots)
     assert allocator.available_size() == 64 - 12 and forest.evictable_size() == 12
     master = forest.segments.entries[((None, None), "a")].slots
@@ -350,7 +350,7 @@ def test_a_forward_that_computes_everything_gives_every_reused_position_its_own_
     forest = mirror_forest()
     allocator, rows = forest.token_to_kv_pool_allocator, forest.req_to_token_pool.req_to_token
     author = allocator.alloc(12)
-    forest._cache_segment(((None, None), "a"), list(range(100, 112)), author.to(torch.int32), 0, 12)
+    forest.storage.cache(((None, None), "a"), list(range(100, 112)), author.to(torch.int32), 0, 12)
     req = reading_req(forest, 1, [SegmentSpan(0, 12, "a")], 16)
     own = rows[1, :16].clone()
     forest.restore_segments(SimpleNamespace(reqs=[req]))
@@ -375,7 +375,7 @@ def test_a_master_shared_with_the_tree_is_counted_once_and_outlives_the_trees_le
     slots = allocator.alloc(10)
     tree = add_leaf(forest, list(range(200, 210)), int(slots[0]), accessed=1.0, created=1.0)
     assert torch.equal(tree.value, slots)
-    forest._cache_segment(((None, None), "t"), list(range(100, 110)), slots.to(torch.int32), 0, 10)
+    forest.storage.cache(((None, None), "t"), list(range(100, 110)), slots.to(torch.int32), 0, 10)
     assert forest.evictable_size() == 10 and 64 - allocator.available_size() == 10  # one slot, one count
     reader = reading_req(forest, 1, [SegmentSpan(0, 10, "t")], 12)
     forest.restore_segments(SimpleNamespace(reqs=[reader]))
@@ -402,7 +402,7 @@ def test_allocating_a_batch_evicts_the_segments_it_will_read_last():
     allocator = forest.token_to_kv_pool_allocator
     for name, accessed in (("read", 1.0), ("other", 2.0)):  # the one the batch reads is used least recently
         author = allocator.alloc(12)
-        forest._cache_segment(((None, None), name), list(range(100, 112)), author.to(torch.int32), 0, 12)
+        forest.storage.cache(((None, None), name), list(range(100, 112)), author.to(torch.int32), 0, 12)
         allocator.free(author)
         forest.segments.entries[((None, None), name)].last_access_time = accessed
     add_leaf(forest, [7, 8, 9, 10], int(allocator.alloc(4)[0]), accessed=0.5, created=0.5)
@@ -504,7 +504,7 @@ def test_a_segment_cached_while_sglang_defers_frees_evicts_and_is_kept():
     author = allocator.alloc(6)  # a finishing request's row: the pool is full
     assert allocator.available_size() == 0
     allocator.free_group_begin()
-    forest._cache_segment(((None, None), "s"), list(range(100, 106)), author.to(torch.int32), 0, 6)
+    forest.storage.cache(((None, None), "s"), list(range(100, 106)), author.to(torch.int32), 0, 6)
     allocator.free_group_end()
     assert ((None, None), "s") in forest.segments and forest.evictable_size() == 6  # the leaf went for it
 

@@ -141,7 +141,14 @@ def test_the_cos_sin_table_grows_with_the_rows():
 
 
 def triton_cases() -> list[tuple[str, list[int]]]:
-    return [(name, lengths) for name in sorted(SPECS) for lengths in ([1, 33, 8], [70])]
+    return [(name, lengths) for name in sorted(SPECS) for lengths in ([1, 33, 8], [70], [40, 50])]
+
+
+def share_slots(pool: Pool) -> None:
+    """Rows 0 and 1 read the same 20 slots (a Master) at different positions: row 1's positions
+    [25, 45) point at row 0's slots [5, 25), as mirror storage's zero copy does."""
+    first, second = pool.row_index[:2].tolist()
+    pool.table[second, 25:45] = pool.table[first, 5:25]
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="run by test_triton_kernel_on_the_cpu")
@@ -149,6 +156,8 @@ def triton_cases() -> list[tuple[str, list[int]]]:
 def test_triton_decode_equals_the_torch_reference(name, lengths):
     spec = SPECS[name]
     pool = Pool(lengths, spec, seed=6)
+    if len(lengths) == 2:
+        share_slots(pool)
     q = torch.randn(len(lengths), HEADS, D, generator=torch.Generator().manual_seed(7))
     rope = RopeOnRead(spec)
     want = row_attention(decode_grids(pool.table, pool.row_index, lengths), q, pool.unrotated, pool.values,
@@ -156,6 +165,14 @@ def test_triton_decode_equals_the_torch_reference(name, lengths):
     got = decode_attention_triton(q, pool.unrotated, pool.values, pool.table, pool.row_index,
                                   torch.tensor(lengths, dtype=torch.int32), max(lengths), SCALE, rope)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for b, n in enumerate(lengths):  # and both equal attention over K rotated at each reader's positions
+        row = pool.row(b)
+        k = rotate(pool.unrotated[row], torch.arange(n), spec)
+        group = HEADS // KV_HEADS
+        plain = F.scaled_dot_product_attention(q[b, :, None], k.repeat_interleave(group, 1).transpose(0, 1),
+                                               pool.values[row].repeat_interleave(group, 1).transpose(0, 1),
+                                               scale=SCALE)[:, 0]
+        torch.testing.assert_close(got[b], plain, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="this is the child's parent")

@@ -12,7 +12,8 @@ Segments never cross SGLang's cache namespace (extra_key, cache_salt), the same 
 its tree. They share one eviction order with the tree's leaves under `--radix-eviction-policy`;
 `/flush_cache` (reset) drops them with the tree.
 
-Two storages (the pool's K form, srt/kv_copy.PoolKeys):
+Masters and the rows reading them are the composed `MasterStorage` (srt/storage.py); two
+storages (the pool's K form, srt/kv_copy.PoolKeys):
 * dense (SGLang's pool, K rotated): a segment is copied, K un-rotated, into new slots; reuse
   copies it back into the reading request's own slots, rotated to its positions.
 * mirror (K un-rotated, srt/pool.RefCountedAllocator): zero copy. A segment takes a
@@ -48,19 +49,20 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult
 from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 
 from sglang_tokendance.core.blend import BlendOptions
-from sglang_tokendance.core.segment_table import SegmentEntry, SegmentTable
+from sglang_tokendance.core.segment_table import SegmentEntry
 from sglang_tokendance.core.segments import segment_hash
 from sglang_tokendance.core.selection import SelectionRule, rule_named
 from sglang_tokendance.served_model import model_salt_from_env
 from sglang_tokendance.server_args import TokenDanceArgs
 from sglang_tokendance.srt.kept_mirrors import KeptMirrors, is_kept
-from sglang_tokendance.srt.kv_copy import PoolKeys, bytes_per_token, copy_kv, serving_rope_spec
+from sglang_tokendance.srt.kv_copy import PoolKeys, bytes_per_token, serving_rope_spec
 from sglang_tokendance.srt.metrics import NO_METRICS, ForestMetrics, PrometheusForestMetrics, StorageCounts
 from sglang_tokendance.srt.model import SUPPORTED_ARCHITECTURES
 from sglang_tokendance.srt.output_registration import output_kv_tokens, output_segment_ids
 from sglang_tokendance.srt.pool import RefCountedAllocator
 from sglang_tokendance.srt.request import RequestOptions, RequestOptionsCache
 from sglang_tokendance.srt.reuse import ChunkPlan, RequestReuse, is_lora, may_reuse
+from sglang_tokendance.srt.storage import MasterStorage
 
 logger = logging.getLogger(__name__)
 
@@ -79,12 +81,13 @@ class SegmentForest(KeptMirrors):
         self.salt = salt
         self.blend, self.rule = blend, rule
         self.min_segment_tokens = min_segment_tokens
-        self.segments = SegmentTable()
         self.requests: dict[object, RequestReuse] = {}  # SGLang's Req -> its reuse, until released
         self.planned: dict[int, ChunkPlan] = {}  # req_pool_idx -> its plan for the coming forward
         self.wanted: set[int] = set()  # ids of the segments the batch being allocated will read
-        # Master-Mirror storage: K un-rotated in the pool, so rows read Masters' slots in place
-        self.zero_copy = keys is not None and not keys.rotated  # set first: SGLang's __init__ resets (counts)
+        self.storage = MasterStorage(keys, params.token_to_kv_pool_allocator, params.req_to_token_pool,
+                                     lambda tokens: self.evict(EvictParams(num_tokens=tokens)))
+        self.segments = self.storage.segments  # its Masters' table: planning and eviction read it
+        self.zero_copy = self.storage.zero_copy  # set first: SGLang's __init__ resets (counts)
         super().__init__(params)
         if self.page_size != 1:
             raise ValueError(f"the tokendance radix cache needs --page-size 1, got {self.page_size}")
@@ -107,10 +110,9 @@ class SegmentForest(KeptMirrors):
     def reset(self) -> None:
         super().reset()
         for plan in self.planned.values():
-            self._revert(plan)
+            self.storage.revert(plan)
         self.planned.clear()
-        for slots in self.segments.clear():
-            self._drop_master(slots)
+        self.storage.clear()
         self.metrics.update_held()
 
     def checkpoint(self, req, *, up_to: int) -> None:
@@ -135,16 +137,10 @@ class SegmentForest(KeptMirrors):
         state = self.requests.pop(req, None)
         if state is None:
             return
-        for plan in [p for p in self.planned.values() if p.request is state]:
+        unsettled = [plan for plan in self.planned.values() if plan.request is state]
+        for plan in unsettled:
             del self.planned[plan.pool_index]
-            if plan.own is not None:  # SGLang freed the row (the Master references in it) but not these
-                self.token_to_kv_pool_allocator.free(plan.own)
-        for masters in state.read_slots.values():  # their references went with the row
-            self.token_to_kv_pool_allocator.refs.unread(masters)
-        state.read_slots.clear()
-        for entry in state.reading:
-            self._unpin(entry)
-        state.reading.clear()
+        self.storage.release(state, unsettled)
         self.metrics.update_held()
 
     def insert_segments(self, req, state: RequestReuse, up_to: int) -> None:
@@ -157,8 +153,8 @@ class SegmentForest(KeptMirrors):
         state.uninserted = [span for span in state.uninserted if span.end > up_to]
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
         for span in ready:
-            self._cache_segment(state.key(span.hash), req.origin_input_ids[span.start:span.end], row, span.start,
-                                span.end - span.start)
+            self.storage.cache(state.key(span.hash), req.origin_input_ids[span.start:span.end], row, span.start,
+                               span.end - span.start)
 
     def register_output(self, req, state: RequestReuse) -> None:
         """Cache a finished request's generated text as a segment (srt/output_registration)."""
@@ -168,46 +164,8 @@ class SegmentForest(KeptMirrors):
         if ids is None:
             return
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
-        self._cache_segment(state.key(segment_hash(ids, self.salt)), ids, row, len(req.origin_input_ids),
-                            output_kv_tokens(req, len(ids)))
-
-    def _cache_segment(self, key, ids, row: torch.Tensor, start: int, length: int) -> None:
-        """Row positions [start, start + length) -- the KV of `ids`, exact -- become the
-        segment (Master) under `key`. Mirror storage: the Master takes a reference on those
-        slots themselves (the tree or the request keeps its own). Dense storage: they are copied
-        into new slots; a full pool makes room the way a tree insert would find it: by evicting
-        what the eviction policy ranks first (never a live request's KV: its prefix is locked
-        and its own slots are not evictable); when even that is not enough, the segment is not
-        cached. A duplicate is only counted."""
-        if key in self.segments:
-            self.segments.count_duplicate(key)
-            return
-        if self.zero_copy:
-            if length > 0:
-                slots = row[start:start + length].to(torch.int64, copy=True)
-                self.token_to_kv_pool_allocator.hold(slots)
-                self.segments.insert(key, slots, ids)
-            return
-        slots = self._alloc_evicting(length) if length > 0 else None
-        if slots is None:
-            return
-        positions = torch.arange(start, start + length, device=row.device)
-        copy_kv(self.pool, row[start:start + length].to(torch.int64), slots, positions, self.keys.unrotated)
-        self.segments.insert(key, slots, ids)
-
-    def _alloc_evicting(self, length: int) -> torch.Tensor | None:
-        """`length` new slots, evicting what the eviction policy ranks first when the pool is
-        short (None: not enough even then). SGLang defers every free of its result processing
-        to the end of a free group, where checkpoints cache segments: the evicted slots are
-        made free first (the group's other frees with them, as its end would), so they can be
-        allocated here."""
-        allocator = self.token_to_kv_pool_allocator
-        if allocator.available_size() < length:
-            self.evict(EvictParams(num_tokens=length - allocator.available_size()))
-            if allocator.free_group is not None:
-                allocator.free_group_end()
-                allocator.free_group_begin()
-        return allocator.alloc(length)
+        self.storage.cache(state.key(segment_hash(ids, self.salt)), ids, row, len(req.origin_input_ids),
+                           output_kv_tokens(req, len(ids)))
 
     # --- reuse ------------------------------------------------------------------------------
 
@@ -233,12 +191,10 @@ class SegmentForest(KeptMirrors):
         recomputes every token anyway (ratio 1), which never reads it. Plans of a forward
         that never ran are undone here."""
         for plan in self.planned.values():
-            self._revert(plan)
+            self.storage.revert(plan)
         self.planned.clear()
         if not self.caches_segments:
             return
-        copying = not self.zero_copy and not self.blend.keeps_everything  # ratio 1 never reads a copy
-        src, dst, positions = [], [], []
         for req in batch.reqs:
             state = self._state_of(req)
             if state is None:
@@ -249,85 +205,7 @@ class SegmentForest(KeptMirrors):
                 continue
             plan.pool_index = req.kv.req_pool_idx
             self.planned[plan.pool_index] = plan
-            if not (self.zero_copy or copying):
-                continue
-            row = self.req_to_token_pool.req_to_token[plan.pool_index]
-            masters = [run.master.slots[run.segment_offset:run.segment_offset + run.end - run.start]
-                       for run in plan.runs]
-            if self.zero_copy:
-                self._point_at_masters(plan, row, torch.cat(masters))
-                continue
-            src += masters
-            dst += [row[run.start:run.end].to(torch.int64) for run in plan.runs]
-            positions.append(plan.positions(row.device))
-        if src:
-            copy_kv(self.pool, torch.cat(src), torch.cat(dst), torch.cat(positions), self.keys.pooled)
-
-    def _point_at_masters(self, plan: ChunkPlan, row: torch.Tensor, masters: torch.Tensor) -> None:
-        """The row's reused positions read the Masters' slots in place (one reference each,
-        every Master pinned); the slots SGLang allocated there are kept aside in the plan."""
-        where = plan.positions(row.device)
-        plan.own = row[where].to(torch.int64)
-        row[where] = masters.to(row.dtype)
-        self.token_to_kv_pool_allocator.read(masters)
-        plan.request.read_slots[plan.prefix_len] = masters
-        for run in plan.runs:
-            self._pin(run.master)
-            plan.request.reading.append(run.master)
-
-    def _settle_row(self, plan: ChunkPlan, kept: torch.Tensor | None) -> None:
-        """After the blended prefill (zero copy): the reused tokens it kept (`kept`, a mask
-        over the plan's reused tokens; None: none) were computed into their own slots, which
-        the row takes back; the others keep reading the Master, and their own slots are freed.
-        A Master none of whose tokens the row still reads is unpinned."""
-        own, plan.own = plan.own, None
-        if own is None:
-            return
-        allocator = self.token_to_kv_pool_allocator
-        if kept is None or not bool(kept.any()):
-            allocator.free(own)
-            return
-        row = self.req_to_token_pool.req_to_token[plan.pool_index]
-        where = plan.positions(row.device)[kept]
-        row[where] = own[kept].to(row.dtype)
-        masters = plan.request.read_slots[plan.prefix_len]
-        allocator.unread(masters[kept])  # the row's references
-        plan.request.read_slots[plan.prefix_len] = masters[~kept]
-        allocator.free(own[~kept])
-        for run, part in zip(plan.runs, kept.split([run.end - run.start for run in plan.runs])):
-            if bool(part.all()):
-                self._stop_reading(plan.request, run.master)
-
-    def _revert(self, plan: ChunkPlan) -> None:
-        """Undo `_point_at_masters` before a forward that computes every token itself (or none
-        ran): each reused position gets its own slot back and drops its Master reference."""
-        own, plan.own = plan.own, None
-        if own is None:
-            return
-        row = self.req_to_token_pool.req_to_token[plan.pool_index]
-        row[plan.positions(row.device)] = own.to(row.dtype)
-        self.token_to_kv_pool_allocator.unread(plan.request.read_slots.pop(plan.prefix_len))
-        for run in plan.runs:
-            self._stop_reading(plan.request, run.master)
-
-    def _pin(self, entry: SegmentEntry) -> None:
-        entry.readers += 1
-        self.token_to_kv_pool_allocator.refs.pin(entry.slots)
-
-    def _unpin(self, entry: SegmentEntry) -> None:
-        entry.readers -= 1
-        self.token_to_kv_pool_allocator.refs.unpin(entry.slots)
-
-    def _stop_reading(self, state: RequestReuse, entry: SegmentEntry) -> None:
-        state.reading.remove(entry)
-        self._unpin(entry)
-
-    def _drop_master(self, slots: torch.Tensor) -> None:
-        """A removed segment's slots: its references dropped (mirror), or freed (dense)."""
-        if self.zero_copy:
-            self.token_to_kv_pool_allocator.unhold(slots)
-        else:
-            self.token_to_kv_pool_allocator.free(slots)
+        self.storage.read_in(list(self.planned.values()), copying=not self.blend.keeps_everything)
 
     def _state_of(self, req) -> RequestReuse | None:
         state = self.requests.get(req)
@@ -359,7 +237,7 @@ class SegmentForest(KeptMirrors):
                 plan = None
             plans.append(plan)
         for plan in self.planned.values():  # not in this forward (never expected)
-            self._revert(plan)
+            self.storage.revert(plan)
         self.planned.clear()
         if not blendable:
             for plan in filter(None, plans):
@@ -383,17 +261,17 @@ class SegmentForest(KeptMirrors):
             counts = torch.stack([torch.stack([mask.sum(), took.sum()])
                                   for mask, took in zip(masks, adopted.split(sizes))]).tolist()
         for plan, mask, (recomputed, adopted_tokens) in zip(plans, masks, counts):
-            self._settle_row(plan, mask)
+            self.storage.settle_row(plan, mask)
             self._record_recomputed(plan, recomputed, adopted_tokens)
 
     def _compute_in_full(self, plan: ChunkPlan) -> None:
         """SGLang's forward computes the plan's reused tokens, each into its own slot."""
-        self._revert(plan)
+        self.storage.revert(plan)
         self._record_recomputed(plan, plan.reused_tokens)
 
     def _record_recomputed(self, plan: ChunkPlan, recomputed: int, adopted: int = 0) -> None:
         """After the forward: `recomputed` of the plan's restored tokens were computed again
-        (under zero copy, after `_settle_row`: only those hold own slots), `adopted` of them
+        (under zero copy, after `settle_row`: only those hold own slots), `adopted` of them
         skipped the probe."""
         own = recomputed if self.zero_copy else plan.reused_tokens
         plan.request.record_recomputed(plan, recomputed, own, adopted)
@@ -420,7 +298,7 @@ class SegmentForest(KeptMirrors):
         while evicted < params.num_tokens and heap:
             *_, item = heapq.heappop(heap)
             if isinstance(item, SegmentEntry):
-                evicted += self._freed_by(lambda: self._drop_master(self.segments.remove(item)), len(item))
+                evicted += self._freed_by(lambda: self.storage.drop(item), len(item))
                 continue
             self.leaves_tree(item)
             evicted += self._freed_by(lambda: self.token_to_kv_pool_allocator.free_segment(item.value, start_pos=0),
@@ -467,12 +345,6 @@ class SegmentForest(KeptMirrors):
         aside = sum(plan.own.numel() for plan in self.planned.values() if plan.own is not None)
         return refs.protected_slots() + aside - refs.read_slots()
 
-    def _segment_only_tokens(self) -> int:
-        """Slots held by segments alone (dense storage: all of theirs)."""
-        if not self.zero_copy:
-            return self.segments.tokens
-        return self.token_to_kv_pool_allocator.refs.master_only_slots()
-
     @property
     def pool(self):
         return self.token_to_kv_pool_allocator.get_kvcache()
@@ -490,7 +362,7 @@ class SegmentForest(KeptMirrors):
                 "pool_tokens": allocator.size, "free_tokens": allocator.available_size(),
                 "live_requests": len(self.requests), "agent_rows_kept": self.kept_rows,
                 **self.storage_counts()._asdict(),
-                "segment_only_tokens": self._segment_only_tokens(),
+                "segment_only_tokens": self.storage.segment_only_tokens(),
                 "pinned_segments": sum(1 for e in self.segments.entries.values() if e.readers)}
 
     def _tree_tokens(self) -> int:
@@ -501,10 +373,7 @@ class SegmentForest(KeptMirrors):
 
     def storage_counts(self) -> StorageCounts:
         """Masters, live Mirror diffs and row references now (O(pool) under mirror storage)."""
-        live = self.requests.values()
-        masters = self.token_to_kv_pool_allocator.refs.master_slots() if self.zero_copy else self.segments.tokens
-        return StorageCounts(masters, sum(s.counts.mirror_diff_tokens for s in live),
-                             sum(s.shared_tokens for s in live))
+        return self.storage.counts(list(self.requests.values()))
 
 
 def build_forest(ctx: TreeCacheBuildContext, options: Callable[[object], RequestOptions],

@@ -1,0 +1,204 @@
+"""Masters and the rows that read them: where a segment's KV lives, and how a reusing row gets it.
+
+The forest (srt/forest.py) owns one `MasterStorage` beside its radix tree. It holds the
+SegmentTable (one Master per (namespace, content hash)) and every slot operation on the KV
+pool that reuse needs, in the pool's K form (srt/kv_copy.PoolKeys):
+
+* dense (SGLang's pool, K rotated): a Master is a copy, K un-rotated, in slots of its own;
+  a reading row gets the KV copied into its own slots, rotated to its positions.
+* mirror (K un-rotated, srt/pool.RefCountedAllocator): zero copy. A Master takes a reference
+  on the writer's (or the tree's) slots; a reading row points its reused positions at the
+  Master's slots (a reference each, the Master pinned: never evicted while read), and keeps
+  the slots SGLang allocated there aside in its ChunkPlan until the forward has run
+  (`settle_row`: a kept token takes its own slot back, the Mirror's diff; the rest are freed).
+
+Each request's state (srt/reuse.RequestReuse) records the Masters its row reads, so
+`release` drops exactly its references and pins.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from sglang_tokendance.core.segment_table import SegmentEntry, SegmentTable
+from sglang_tokendance.srt.kv_copy import PoolKeys, copy_kv
+from sglang_tokendance.srt.metrics import StorageCounts
+from sglang_tokendance.srt.reuse import ChunkPlan, RequestReuse
+
+
+class MasterStorage:
+    def __init__(self, keys: PoolKeys | None, allocator, req_to_token_pool, evict: Callable[[int], None]):
+        self.keys = keys  # None: nothing is cached (a forest without segments)
+        self.zero_copy = keys is not None and not keys.rotated  # mirror storage: rows read Masters' slots in place
+        self.allocator = allocator
+        self.req_to_token_pool = req_to_token_pool
+        self.evict = evict  # the forest's eviction: free at least this many slots if it can
+        self.segments = SegmentTable()
+
+    @property
+    def pool(self):
+        return self.allocator.get_kvcache()
+
+    # --- Masters ----------------------------------------------------------------------------
+
+    def cache(self, key, ids: Sequence[int], row: torch.Tensor, start: int, length: int) -> None:
+        """Row positions [start, start + length) -- the KV of `ids`, exact -- become the
+        Master under `key`. Mirror storage: the Master takes a reference on those slots
+        themselves (the tree or the request keeps its own). Dense storage: they are copied into
+        new slots; a full pool makes room the way a tree insert would find it: by evicting what
+        the eviction policy ranks first (never a live request's KV: its prefix is locked and its
+        own slots are not evictable); when even that is not enough, the segment is not cached.
+        A duplicate is only counted."""
+        if key in self.segments:
+            self.segments.count_duplicate(key)
+            return
+        if self.zero_copy:
+            if length > 0:
+                slots = row[start:start + length].to(torch.int64, copy=True)
+                self.allocator.hold(slots)
+                self.segments.insert(key, slots, ids)
+            return
+        slots = self._alloc_evicting(length) if length > 0 else None
+        if slots is None:
+            return
+        positions = torch.arange(start, start + length, device=row.device)
+        copy_kv(self.pool, row[start:start + length].to(torch.int64), slots, positions, self.keys.unrotated)
+        self.segments.insert(key, slots, ids)
+
+    def _alloc_evicting(self, length: int) -> torch.Tensor | None:
+        """`length` new slots, evicting what the eviction policy ranks first when the pool is
+        short (None: not enough even then). SGLang defers every free of its result processing
+        to the end of a free group, where checkpoints cache segments: the evicted slots are
+        made free first (the group's other frees with them, as its end would), so they can be
+        allocated here."""
+        if self.allocator.available_size() < length:
+            self.evict(length - self.allocator.available_size())
+            if self.allocator.free_group is not None:
+                self.allocator.free_group_end()
+                self.allocator.free_group_begin()
+        return self.allocator.alloc(length)
+
+    def drop(self, entry: SegmentEntry) -> None:
+        """Remove a Master (evicted): its references dropped (mirror), or its slots freed (dense)."""
+        self._free_master(self.segments.remove(entry))
+
+    def clear(self) -> None:
+        """Every Master gone (the cache reset)."""
+        for slots in self.segments.clear():
+            self._free_master(slots)
+
+    def _free_master(self, slots: torch.Tensor) -> None:
+        if self.zero_copy:
+            self.allocator.unhold(slots)
+        else:
+            self.allocator.free(slots)
+
+    # --- rows reading Masters ---------------------------------------------------------------
+
+    def read_in(self, plans: list[ChunkPlan], copying: bool) -> None:
+        """The batch's planned rows get their Masters' KV: zero copy, each row points its reused
+        positions at the Masters' slots; dense storage, one copy for the whole batch, rotated
+        to the readers' positions (`copying` False: nothing reads it, e.g. ratio 1)."""
+        src, dst, positions = [], [], []
+        for plan in plans:
+            if not (self.zero_copy or copying):
+                continue
+            row = self.req_to_token_pool.req_to_token[plan.pool_index]
+            masters = [run.master.slots[run.segment_offset:run.segment_offset + len(run)] for run in plan.runs]
+            if self.zero_copy:
+                self._point_at_masters(plan, row, torch.cat(masters))
+                continue
+            src += masters
+            dst += [row[run.start:run.end].to(torch.int64) for run in plan.runs]
+            positions.append(plan.positions(row.device))
+        if src:
+            copy_kv(self.pool, torch.cat(src), torch.cat(dst), torch.cat(positions), self.keys.pooled)
+
+    def _point_at_masters(self, plan: ChunkPlan, row: torch.Tensor, masters: torch.Tensor) -> None:
+        """The row's reused positions read the Masters' slots in place (one reference each,
+        every Master pinned); the slots SGLang allocated there are kept aside in the plan."""
+        where = plan.positions(row.device)
+        plan.own = row[where].to(torch.int64)
+        row[where] = masters.to(row.dtype)
+        self.allocator.read(masters)
+        plan.request.read_slots[plan.prefix_len] = masters
+        for run in plan.runs:
+            self._pin(run.master)
+            plan.request.reading.append(run.master)
+
+    def settle_row(self, plan: ChunkPlan, kept: torch.Tensor | None) -> None:
+        """After the blended prefill (zero copy): the reused tokens it kept (`kept`, a mask
+        over the plan's reused tokens; None: none) were computed into their own slots, which
+        the row takes back; the others keep reading the Master, and their own slots are freed.
+        A Master none of whose tokens the row still reads is unpinned."""
+        own, plan.own = plan.own, None
+        if own is None:
+            return
+        if kept is None or not bool(kept.any()):
+            self.allocator.free(own)
+            return
+        row = self.req_to_token_pool.req_to_token[plan.pool_index]
+        where = plan.positions(row.device)[kept]
+        row[where] = own[kept].to(row.dtype)
+        masters = plan.request.read_slots[plan.prefix_len]
+        self.allocator.unread(masters[kept])  # the row's references
+        plan.request.read_slots[plan.prefix_len] = masters[~kept]
+        self.allocator.free(own[~kept])
+        for run, part in zip(plan.runs, kept.split([len(run) for run in plan.runs])):
+            if bool(part.all()):
+                self._stop_reading(plan.request, run.master)
+
+    def revert(self, plan: ChunkPlan) -> None:
+        """Undo `_point_at_masters` before a forward that computes every token itself (or none
+        ran): each reused position gets its own slot back and drops its Master reference."""
+        own, plan.own = plan.own, None
+        if own is None:
+            return
+        row = self.req_to_token_pool.req_to_token[plan.pool_index]
+        row[plan.positions(row.device)] = own.to(row.dtype)
+        self.allocator.unread(plan.request.read_slots.pop(plan.prefix_len))
+        for run in plan.runs:
+            self._stop_reading(plan.request, run.master)
+
+    def release(self, state: RequestReuse, plans: list[ChunkPlan]) -> None:
+        """SGLang released the request and freed its row (the Master references in it): drop
+        what the row's reading still holds -- own slots kept aside in unsettled `plans`, the
+        read counts, the pins."""
+        for plan in plans:
+            if plan.own is not None:
+                self.allocator.free(plan.own)
+        for masters in state.read_slots.values():
+            self.allocator.refs.unread(masters)
+        state.read_slots.clear()
+        for entry in state.reading:
+            self._unpin(entry)
+        state.reading.clear()
+
+    def _pin(self, entry: SegmentEntry) -> None:
+        entry.readers += 1
+        self.allocator.refs.pin(entry.slots)
+
+    def _unpin(self, entry: SegmentEntry) -> None:
+        entry.readers -= 1
+        self.allocator.refs.unpin(entry.slots)
+
+    def _stop_reading(self, state: RequestReuse, entry: SegmentEntry) -> None:
+        state.reading.remove(entry)
+        self._unpin(entry)
+
+    # --- counts -----------------------------------------------------------------------------
+
+    def master_tokens(self) -> int:
+        """Slots Masters hold, each once (mirror storage: O(pool))."""
+        return self.allocator.refs.master_slots() if self.zero_copy else self.segments.tokens
+
+    def segment_only_tokens(self) -> int:
+        """Slots held by Masters alone (dense storage: all of theirs)."""
+        return self.allocator.refs.master_only_slots() if self.zero_copy else self.segments.tokens
+
+    def counts(self, live: Sequence[RequestReuse]) -> StorageCounts:
+        """Masters, live Mirror diffs and row references now."""
+        return StorageCounts(self.master_tokens(), sum(s.counts.mirror_diff_tokens for s in live),
+                             sum(s.shared_tokens for s in live))
