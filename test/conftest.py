@@ -11,7 +11,7 @@ import pytest
 import requests
 
 from sglang_tokendance.model_store import prepared_default_model
-from sglang_tokendance.server_process import ServerProcess, flush_cache, preloaded
+from sglang_tokendance.bench.server_process import ServerProcess, flush_cache, preloaded
 
 FULL_RATIO_CHUNK = 64  # --chunked-prefill-size of the shared ratio-1 server
 

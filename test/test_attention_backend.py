@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sglang_tokendance.core.rope import RopeSpec, rotate
-from sglang_tokendance.tiny_models import tiny_config
+from sglang_tokendance.bench.tiny_models import tiny_config
 
 HEADS, KV_HEADS, D = 4, 2, 16
 

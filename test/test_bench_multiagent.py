@@ -205,7 +205,7 @@ def tiny_llama(tmp_path_factory) -> str:
     """A random-weight model deep enough for TokenDance's default check layer: the CLI's
     servers, stock and ours, start and answer fast (what is checked is the CLI)."""
     from sglang_tokendance.server_args import TokenDanceArgs
-    from sglang_tokendance.tiny_models import write_tiny_model
+    from sglang_tokendance.bench.tiny_models import write_tiny_model
 
     return str(write_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama",
                                 num_layers=TokenDanceArgs().check_layer + 2))

@@ -14,7 +14,7 @@ from sglang_tokendance.bench.quality import (MASTER_CHOICES, ORACLE, PLAIN, Grou
                                              summarize)
 from sglang_tokendance.bench.quality_server import Workload
 from sglang_tokendance.bench.workloads import make_simulation, preset_config
-from sglang_tokendance.tiny_models import write_tiny_model
+from sglang_tokendance.bench.tiny_models import write_tiny_model
 
 CONFIG = QualityConfig(num_agents=(2,), rules=("cacheblend-k", "attention-kv"), ratios=(0.5, 1.0),
                        check_layers=(1, 2), continuation_tokens=6, simulation_agents=2, simulation_rounds=2,

@@ -9,7 +9,7 @@ from sglang_tokendance.bench.hf_layerwise import DenseKV, HFLayerwise, full_pref
 from sglang_tokendance.core.blend import BlendOptions, RequestRow, blended_prefill, finish, probe, select
 from sglang_tokendance.core.rope import RopeSpec, rotate, unrotate
 from sglang_tokendance.core.selection import RULES, ReusedSegment, fixed_scores, rule_named, select_kept
-from sglang_tokendance.tiny_models import TINY_ARCHITECTURES, tiny_config
+from sglang_tokendance.bench.tiny_models import TINY_ARCHITECTURES, tiny_config
 
 SEG = (12, 30)  # the reused segment's place in the target prompt
 

@@ -21,7 +21,7 @@ from sglang_tokendance.core.blend import BlendOptions, ReusedRun, RequestRow, bl
 from sglang_tokendance.core.rope import RopeSpec, rotate, unrotate
 from sglang_tokendance.core.rope_attention import RopeOnRead
 from sglang_tokendance.core.selection import rule_named
-from sglang_tokendance.tiny_models import tiny_config
+from sglang_tokendance.bench.tiny_models import tiny_config
 
 GOLDEN = Path(__file__).parent / "data" / "blend_golden.pt"
 FAMILIES = ("llama", "qwen3")  # the blend is family-agnostic; Qwen3 adds per-head q/k norms

@@ -13,7 +13,7 @@ import requests
 
 from conftest import FULL_RATIO_CHUNK, assert_no_leak, emptied, generate, stream_chunks as stream_lines
 from sglang_tokendance.core.segments import DEFAULT_SEPARATOR as SEP
-from sglang_tokendance.server_process import ServerProcess
+from sglang_tokendance.bench.server_process import ServerProcess
 from test_metrics import tokendance_metrics
 
 pytestmark = pytest.mark.slow

@@ -18,7 +18,7 @@ import requests
 
 from conftest import forest_stats, generate, stream_chunks
 from sglang_tokendance.core.segments import DEFAULT_SEPARATOR as SEP
-from sglang_tokendance.server_process import ServerProcess
+from sglang_tokendance.bench.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ import requests
 
 from conftest import generate
 from sglang_tokendance.core.segments import DEFAULT_SEPARATOR as SEP
-from sglang_tokendance.server_process import ServerProcess
+from sglang_tokendance.bench.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 

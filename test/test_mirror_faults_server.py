@@ -18,7 +18,7 @@ import requests
 
 from conftest import assert_no_leak, forest_stats
 from sglang_tokendance.core.segments import DEFAULT_SEPARATOR as SEP
-from sglang_tokendance.server_process import ServerProcess
+from sglang_tokendance.bench.server_process import ServerProcess
 from test_faults_server import BLOCKS, RETRACT_EVERY_30_STEPS, agent_prompt, post, stream
 from test_metrics import tokendance_metrics
 

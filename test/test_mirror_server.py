@@ -9,8 +9,8 @@ import pytest
 import requests
 
 from conftest import assert_no_leak, generate
-from sglang_tokendance.server_process import ServerProcess
-from sglang_tokendance.tiny_models import write_tiny_model
+from sglang_tokendance.bench.server_process import ServerProcess
+from sglang_tokendance.bench.tiny_models import write_tiny_model
 from test_blend_server import AUTHOR, READER, output_logprobs, with_logprobs
 
 pytestmark = pytest.mark.slow

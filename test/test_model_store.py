@@ -12,7 +12,7 @@ from sglang_tokendance import model_store
 from sglang_tokendance.model_store import (
     GGUF_SHA256, MANIFEST, ModelNotPreparedError, check_model_dir, prepare_default_model,
 )
-from sglang_tokendance.tiny_models import write_tiny_model
+from sglang_tokendance.bench.tiny_models import write_tiny_model
 
 
 def test_default_model_is_plain_fp32_llama(smollm2_path):

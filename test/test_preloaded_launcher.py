@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from sglang_tokendance.server_process import preloaded_launcher
+from sglang_tokendance.bench.server_process import preloaded_launcher
 
 pytestmark = pytest.mark.slow  # a launcher imports SGLang's server once (~20 s on 2 cores)
 
@@ -54,6 +54,9 @@ def test_servers_are_not_descendants_of_the_starter(launcher, tmp_path):
     descendants = {p.pid for p in psutil.Process().children(recursive=True)}
     assert server.pid not in descendants
     assert psutil.Process(server.pid).ppid() not in descendants | {os.getpid()}
+    deadline = time.monotonic() + 60
+    while os.getpgid(server.pid) != server.pid and time.monotonic() < deadline:  # its setsid() may not have run yet
+        time.sleep(0.05)
     os.killpg(server.pid, 9)
     assert server.wait(timeout=60) == -9
 
@@ -62,7 +65,7 @@ def test_a_starter_gone_without_closing_takes_the_launcher_and_its_servers(tmp_p
     starter = subprocess.run(
         [sys.executable, "-c",
          "import os, sys\n"
-         "from sglang_tokendance.preloaded_launcher import PreloadedLauncher\n"
+         "from sglang_tokendance.bench.preloaded_launcher import PreloadedLauncher\n"
          "server = PreloadedLauncher().start('http.server', ['--bind', '127.0.0.1', '0'], dict(os.environ), "
          f"{str(tmp_path / 'http.log')!r})\n"
          "print(server.pid, flush=True)\n"

@@ -14,7 +14,7 @@ from sglang_tokendance.bench.quality import FULL, PLAIN, QualityRunner, Setting,
 from sglang_tokendance.bench.quality_server import (Prompts, SavedAnswers, ServerConfig, ServerOutput, Workload,
                                                     compare_all, compared_steps, in_process, serve, server_argv,
                                                     summarize, top_k, truncated_kl)
-from sglang_tokendance.tiny_models import write_tiny_model
+from sglang_tokendance.bench.tiny_models import write_tiny_model
 
 DEFAULT = Setting("attention-kv", 0.3, 2, 1)
 CONFIG = ServerConfig(settings=(DEFAULT, Setting(PLAIN)), workloads=(Workload(2, 25),), chunked_prefill=0,

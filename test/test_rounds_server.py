@@ -16,8 +16,8 @@ import requests
 
 from conftest import generate
 from sglang_tokendance.core.segments import DEFAULT_SEPARATOR as SEP
-from sglang_tokendance.server_process import ServerProcess
-from sglang_tokendance.tiny_models import write_tiny_model
+from sglang_tokendance.bench.server_process import ServerProcess
+from sglang_tokendance.bench.tiny_models import write_tiny_model
 
 pytestmark = pytest.mark.slow
 

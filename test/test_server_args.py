@@ -16,7 +16,7 @@ import pytest
 from sglang_tokendance import cpu
 from sglang_tokendance.launch_server import given, with_defaults
 from sglang_tokendance.server_args import ENV_VAR, TokenDanceArgs, TokenDanceArgsError, flag_of
-from sglang_tokendance.server_process import preloaded_launcher
+from sglang_tokendance.bench.server_process import preloaded_launcher
 
 
 def parse(argv):

@@ -135,7 +135,7 @@ class Systems:
     def serve(self, mode: Mode):
         if self.running:
             return _Running(self.running[1])
-        from sglang_tokendance.server_process import ServerProcess
+        from sglang_tokendance.bench.server_process import ServerProcess
 
         return ServerProcess(server_argv(self.args, mode), stock=mode.stock)
 
@@ -224,7 +224,7 @@ def compare(args, systems: Systems, config: WorkloadConfig) -> tuple[list[dict],
 def full_prefill_agreement(args, config: WorkloadConfig, results: list[RunResult]) -> list[dict]:
     """Every mode's requests sent again to one --disable-tokendance server (a full prefill)."""
     from sglang_tokendance.bench.full_prefill import agreement, replay
-    from sglang_tokendance.server_process import ServerProcess
+    from sglang_tokendance.bench.server_process import ServerProcess
 
     rows = []
     with ServerProcess([*server_argv(args, MODES["radix"]), "--disable-tokendance"]) as reference:
@@ -326,7 +326,7 @@ def model_layers(model_path: str | None) -> int:
 
 def prefill_sweep(args, systems: Systems, config: WorkloadConfig) -> tuple[list[dict], list[tuple[str, str]]]:
     """Prefill-only sessions at every N of --num-agents, interleaved over the modes' servers."""
-    from sglang_tokendance.server_process import flush_cache
+    from sglang_tokendance.bench.server_process import flush_cache
 
     modes, layers = systems.modes(), model_layers(args.model_path)
     results: dict[tuple[str, int], list[RunResult]] = {}

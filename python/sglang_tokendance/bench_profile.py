@@ -25,7 +25,7 @@ from sglang_tokendance.bench.machine import idle_check
 from sglang_tokendance.bench.multiagent import MODES, RunResult, run_session
 from sglang_tokendance.bench.profiling import OPERATIONS, PHASES, PySpy, breakdown_table, categorize, scheduler_pid
 from sglang_tokendance.bench.workloads import PRESETS, make_simulation
-from sglang_tokendance.server_process import ServerProcess
+from sglang_tokendance.bench.server_process import ServerProcess
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

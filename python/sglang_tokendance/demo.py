@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from sglang_tokendance.bench.multiagent import Mode, RunResult, run_load
 from sglang_tokendance.bench.workloads import preset_config
-from sglang_tokendance.server_process import ServerProcess
+from sglang_tokendance.bench.server_process import ServerProcess
 
 SIDES = (Mode("tokendance", stock=False, marked=True),
          Mode("--disable-tokendance", stock=False, marked=True, server_args=("--disable-tokendance",)))

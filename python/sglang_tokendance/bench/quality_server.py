@@ -36,7 +36,7 @@ from sglang_tokendance.bench.quality import (FULL, PLAIN, QualityRunner, Segment
 from sglang_tokendance.bench.workloads import Simulation, make_simulation, preset_config
 from sglang_tokendance.core.blend import BlendOptions
 from sglang_tokendance.core.segments import SegmentedPrompt
-from sglang_tokendance.server_process import flush_cache
+from sglang_tokendance.bench.server_process import flush_cache
 
 TopK = Mapping[int, float]  # token id -> logprob (normalised over the whole vocabulary)
 REQUEST_TIMEOUT = 1800
@@ -276,7 +276,7 @@ def serve(argv: list[str], workloads: list[Prompts], config: ServerConfig, seed:
           saved: SavedAnswers) -> dict[tuple[str, int], ServerOutput]:
     """Every workload's answers from one server started with `argv` (only if some are not saved
     yet): (workload label, agent) -> output."""
-    from sglang_tokendance.server_process import ServerProcess
+    from sglang_tokendance.bench.server_process import ServerProcess
 
     todo = [p for p in workloads if saved.get(argv, p.workload) is None]
     if todo:

@@ -22,7 +22,7 @@ import requests
 
 from sglang_tokendance import cpu
 from sglang_tokendance.launch_server import with_defaults
-from sglang_tokendance.preloaded_launcher import PreloadedLauncher
+from sglang_tokendance.bench.preloaded_launcher import PreloadedLauncher
 from sglang_tokendance.server_args import ENV_VAR
 
 _preloading = False
