@@ -7,7 +7,6 @@ import torch
 import torch.nn.functional as F
 
 from sglang_tokendance.core.attention import CAUSAL_SHARE, attend, plan_grids
-from sglang_tokendance.core.rope import RopeSpec, rotate, unrotate
 
 HEADS, KV_HEADS, D = 6, 2, 8
 SCALE = D ** -0.5
@@ -95,19 +94,6 @@ def test_overlaid_kv_replaces_the_stored_kv(computed):
     want = full_causal(batch.q_full[0], stored_k[batch.rows[0]], stored_v[batch.rows[0]])[batch.computed[0]]
     torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
     assert not torch.equal(stored_k, batch.keys)  # the store itself was not written
-
-
-def test_keys_rotated_on_read_equal_keys_stored_rotated():
-    """The Master-Mirror seam: K kept un-rotated and rotated by position when a row reads it."""
-    spec = RopeSpec(head_dim=D, rotary_dim=D, base=10000.0)
-    batch = Batch([mask(10, [2, 7, 8, 9]), mask(6, list(range(6)))])
-    want, _ = batch.run()
-    for row in batch.rows:
-        batch.keys[row] = unrotate(batch.keys[row], torch.arange(row.numel()), spec)  # the store un-rotated...
-    by_row_position = lambda k: rotate(k.flatten(0, 1), torch.arange(k.shape[1]).repeat(k.shape[0]),  # noqa: E731
-                                       spec).view_as(k)
-    got, _ = batch.run(key_transform=by_row_position)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)  # ...and rotated back on read
 
 
 @pytest.mark.parametrize("computed", [list(range(2, 14)), [0, 3, 4, 5, 10, 13]])
