@@ -317,7 +317,7 @@ def test_zero_copy_rows_read_one_master_at_different_offsets_and_free_only_their
     first = reading_req(forest, 1, [SegmentSpan(2, 14, "a")], 20)
     second = reading_req(forest, 2, [SegmentSpan(5, 17, "a")], 20)
     own = {i: rows[i, :20].clone() for i in (1, 2)}
-    forest.restore_segments(SimpleNamespace(reqs=[first, second]))
+    forest.restore_segments(SimpleNamespace(reqs=[first, second]), lambda: None)
     assert torch.equal(rows[1, 2:14].long(), master) and torch.equal(rows[2, 5:17].long(), master)  # shared
     plans = {i: forest.planned[i] for i in (1, 2)}
     assert torch.equal(plans[1].own, own[1][2:14].long()) and torch.equal(plans[2].own, own[2][5:17].long())
@@ -353,14 +353,14 @@ def test_a_forward_that_computes_everything_gives_every_reused_position_its_own_
     forest.storage.cache(((None, None), "a"), list(range(100, 112)), author.to(torch.int32), 0, 12)
     req = reading_req(forest, 1, [SegmentSpan(0, 12, "a")], 16)
     own = rows[1, :16].clone()
-    forest.restore_segments(SimpleNamespace(reqs=[req]))
+    forest.restore_segments(SimpleNamespace(reqs=[req]), lambda: None)
     batch = SimpleNamespace(req_pool_indices_cpu=torch.tensor([1]), extend_prefix_lens_cpu=[0],
                             extend_seq_lens_cpu=[16])
     assert forest.take_plans(batch, blendable=False) is None and not forest.planned  # SGLang's forward runs
     assert torch.equal(rows[1, :16], own) and forest.stats()["row_references"] == 0
     assert req.customized_info[REUSE_INFO_KEY][0]["recomputed_tokens"] == 12
-    forest.restore_segments(SimpleNamespace(reqs=[req]))  # planned again, then the forward never ran
-    forest.restore_segments(SimpleNamespace(reqs=[]))
+    forest.restore_segments(SimpleNamespace(reqs=[req]), lambda: None)  # planned again, the forward never ran
+    forest.restore_segments(SimpleNamespace(reqs=[]), lambda: None)
     assert torch.equal(rows[1, :16], own) and forest.stats()["pinned_segments"] == 0
     release(forest, req, 16)
     allocator.free(author)
@@ -378,7 +378,7 @@ def test_a_master_shared_with_the_tree_is_counted_once_and_outlives_the_trees_le
     forest.storage.cache(((None, None), "t"), list(range(100, 110)), slots.to(torch.int32), 0, 10)
     assert forest.evictable_size() == 10 and 64 - allocator.available_size() == 10  # one slot, one count
     reader = reading_req(forest, 1, [SegmentSpan(0, 10, "t")], 12)
-    forest.restore_segments(SimpleNamespace(reqs=[reader]))
+    forest.restore_segments(SimpleNamespace(reqs=[reader]), lambda: None)
     forest.settle([forest.planned.pop(1)], None, None)
     assert forest.evictable_size() == 0  # the tree's leaf is evictable, but its slots stay with the reader
     assert allocator.available_size() + forest.evictable_size() + forest.protected_size() + 12 == 64
@@ -423,6 +423,9 @@ def test_allocating_a_batch_evicts_the_segments_it_will_read_last():
     req = reading_req(forest, 1, [SegmentSpan(2, 14, "read")], 20)
     restore_after_allocation(prepare_for_extend, SimpleNamespace(reqs=[req], tree_cache=forest), 1000)
     assert evicted[-1] == 12 and not forest.segments.entries and 1 not in forest.planned  # nothing else left
+    counts = req.customized_info[REUSE_INFO_KEY][0]
+    assert (counts["reused_tokens"], counts["computed_tokens"]) == (0, 20)  # the run it planned is computed
+    release(forest, req, 20)
 
 
 def test_a_kept_row_is_matched_by_its_agent_alone_and_counted_once_per_slot():

@@ -37,12 +37,11 @@ Output registration: srt/output_registration.py. Metrics: srt/metrics.py.
 
 from __future__ import annotations
 
-import contextlib
 import heapq
 import itertools
 import logging
 import time
-from typing import Callable, Hashable, Iterator
+from typing import Any, Callable, Hashable
 
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult
@@ -169,43 +168,39 @@ class SegmentForest(KeptMirrors):
 
     # --- reuse ------------------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def keeping_wanted(self, batch) -> Iterator[None]:
-        """While SGLang allocates a batch's slots (evicting if the pool is short), before its
-        chunks are planned: the segments those chunks will read are evicted last, only when
-        nothing else is left to free, so a round admitted at once keeps the blocks it reads
-        (SGLang's budget is unchanged: every segment stays evictable)."""
-        self.wanted = {id(entry) for req in batch.reqs if (state := self._state_of(req)) is not None
-                       for entry in state.cached_in(self.segments, req.prefix_len, req.extend_end)}
-        try:
-            yield
-        finally:
-            self.wanted = set()
-
-    def restore_segments(self, batch) -> None:
-        """Plan every request's chunk and give its reused positions their segments' KV.
-        Mirror storage (zero copy): the row points those positions at the Masters' slots,
-        taking a reference on each, and the slots SGLang allocated there wait in the plan for
-        the forward (`settle`). Dense storage: the KV is copied into the request's own slots,
-        rotated to its positions, one copy for the whole batch -- unless the blended prefill
-        recomputes every token anyway (ratio 1), which never reads it. Plans of a forward
-        that never ran are undone here."""
+    def restore_segments(self, batch, allocate: Callable[[], Any]) -> Any:
+        """Plan every request's chunk once, let SGLang allocate the batch's slots (`allocate`;
+        its result is returned), then give the planned rows their Masters' KV (srt/storage:
+        zero copy, or one copy for the batch -- none at ratio 1, which never reads it). While
+        SGLang allocates, evicting when the pool is short, the Masters the plans read are
+        evicted last, only when nothing else is left, so a round admitted at once keeps the
+        blocks it reads (SGLang's budget is unchanged: every segment stays evictable); a run
+        whose Master went even so is computed instead. Plans of a forward that never ran are
+        undone first."""
         for plan in self.planned.values():
             self.storage.revert(plan)
         self.planned.clear()
-        if not self.caches_segments:
-            return
-        for req in batch.reqs:
+        plans = []
+        for req in batch.reqs if self.caches_segments else ():
             state = self._state_of(req)
             if state is None:
                 continue
             plan = state.plan_chunk(self.segments, req.prefix_len, req.extend_end, self.group_of(req))
             self.metrics.count_restore(plan.hits, plan.misses)
-            if not plan.runs:
-                continue
-            plan.pool_index = req.kv.req_pool_idx
-            self.planned[plan.pool_index] = plan
+            if plan.runs:
+                plans.append((req, plan))
+        self.wanted = {id(run.master) for _, plan in plans for run in plan.runs}
+        try:
+            result = allocate()
+        finally:
+            self.wanted = set()
+        for req, plan in plans:
+            plan.request.drop_evicted(plan, self.segments)
+            if plan.runs:
+                plan.pool_index = req.kv.req_pool_idx
+                self.planned[plan.pool_index] = plan
         self.storage.read_in(list(self.planned.values()), copying=not self.blend.keeps_everything)
+        return result
 
     def _state_of(self, req) -> RequestReuse | None:
         state = self.requests.get(req)
@@ -284,7 +279,7 @@ class SegmentForest(KeptMirrors):
         """SGLang's leaf eviction with the segments in the same heap: each step frees the item
         the eviction strategy ranks first, leaf or segment (O(log n) per item), until enough
         tokens are free or nothing evictable is left. Segments the batch being allocated will
-        read (`keeping_wanted`) come after everything else."""
+        read (`restore_segments`) come after everything else."""
         if self.disable:
             return EvictResult()
         start_time = time.perf_counter()
@@ -396,15 +391,13 @@ def build_forest(ctx: TreeCacheBuildContext, options: Callable[[object], Request
 
 
 def restore_after_allocation(prepare_for_extend, batch, *args, **kwargs):
-    """AROUND hook on ScheduleBatch.prepare_for_extend: SGLang allocates the batch's slots
-    keeping the segments it will read, then (slots final, the forward next) they are restored."""
+    """AROUND hook on ScheduleBatch.prepare_for_extend: the batch's chunks are planned, SGLang
+    allocates their slots keeping the segments they will read, then (slots final, the forward
+    next) the rows get their KV."""
     forest = batch.tree_cache
     if not isinstance(forest, SegmentForest):
         return prepare_for_extend(batch, *args, **kwargs)
-    with forest.keeping_wanted(batch):
-        result = prepare_for_extend(batch, *args, **kwargs)
-    forest.restore_segments(batch)
-    return result
+    return forest.restore_segments(batch, lambda: prepare_for_extend(batch, *args, **kwargs))
 
 
 def add_forest_stats(result, scheduler, *unused, **unused_kw):

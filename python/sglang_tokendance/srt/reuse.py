@@ -119,15 +119,6 @@ class RequestReuse:
     def key(self, segment_hash: str) -> Hashable:
         return (self.namespace, segment_hash)
 
-    def cached_in(self, table: SegmentTable, prefix_len: int, extend_end: int) -> list[SegmentEntry]:
-        """The cached segments the chunk [prefix_len, extend_end) would read, before it is
-        planned (nothing counted, no entry touched)."""
-        if not self.can_reuse:
-            return []
-        entries = (table.entries.get(self.key(span.hash)) for span in self.spans
-                   if span.start < extend_end and span.end > prefix_len)
-        return [entry for entry in entries if entry is not None]
-
     def plan_chunk(self, table: SegmentTable, prefix_len: int, extend_end: int,
                    group: Hashable | None = None) -> ChunkPlan:
         """Plan the chunk [prefix_len, extend_end) (core/plan) over the cached segments of the
@@ -152,6 +143,18 @@ class RequestReuse:
     def _lookup(self, table: SegmentTable, span: SegmentSpan, ids) -> tuple[SegmentEntry, int] | None:
         entry = table.lookup(self.key(span.hash), ids[span.start:span.end])
         return None if entry is None else (entry, len(entry))
+
+    def drop_evicted(self, plan: ChunkPlan, table: SegmentTable) -> None:
+        """Runs of `plan` whose Master the batch's allocation evicted after all (nothing else
+        was left to free) are computed instead. `first_reused` stays as planned: the tree then
+        receives less than it could, never approximate KV."""
+        runs = [run for run in plan.runs if table.entries.get(run.master.key) is run.master]
+        lost = plan.reused_tokens - sum(len(run) for run in runs)
+        if lost:
+            plan.runs = runs
+            self.counts.reused_tokens -= lost
+            self.counts.computed_tokens += lost
+            self.publish()
 
     def record_recomputed(self, plan: ChunkPlan, recomputed: int, own: int, adopted: int = 0) -> None:
         """After the forward: `recomputed` of the plan's restored tokens were computed again;
