@@ -23,11 +23,11 @@ storages (the pool's K form, srt/kv_copy.PoolKeys):
   After the blended prefill (`settle`) a reused token it recomputed takes its own slot back
   (the Mirror's diff); the others' own slots are freed. Each owner frees its own reference.
 
-Reuse happens after SGLang allocates a batch's slots (`restore_segments`, an AROUND hook on
-ScheduleBatch.prepare_for_extend, which also ranks the segments the batch will read last in
-the allocation's eviction): each request's chunk is planned (srt/reuse.py) and its
-reused positions restored as above; the model forward (srt/forward_hook.py) then runs the
-blended prefill on the plans. A request's approximate KV never enters the shared tree, in any
+Reuse wraps SGLang's allocation of a batch's slots (`restore_segments`, an AROUND hook on
+ScheduleBatch.prepare_for_extend): each request's chunk is planned first (srt/reuse.py,
+core/plan.py), the allocation's eviction takes the Masters those plans read last, then the
+reused positions are restored as above; the model forward (srt/forward_hook.py) runs the
+blended prefill on the plans and hands them back (`settle`). A request's approximate KV never enters the shared tree, in any
 chunk: it publishes only the part before its first reused token, and caches only segments that
 end before it. Under mirror storage a finished row that names its agent is kept whole for that
 agent alone, in a namespace only the agent's requests match (srt/kept_mirrors.py).
