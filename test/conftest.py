@@ -46,6 +46,17 @@ def full_ratio_server_url(smollm2_path):
         yield proc.url
 
 
+SMALL_POOL = 1200  # --max-total-tokens of the shared small-pool server: a few prompts overflow it
+
+
+@pytest.fixture(scope="session")
+def small_pool_server_url(smollm2_path):
+    """One TokenDance server with a KV pool of SMALL_POOL tokens (contexts of 1024) and
+    Prometheus metrics on: the modules that make it evict share it."""
+    with ServerProcess(["--enable-metrics", "--max-total-tokens", str(SMALL_POOL), "--context-length", "1024"]) as proc:
+        yield proc.url
+
+
 @pytest.fixture(scope="session")
 def stock_server_url(smollm2_path):
     """One stock `sglang.launch_server` with its default flags, shared the same way."""

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from conftest import assert_no_leak, emptied, forest_stats, generate
+from conftest import SMALL_POOL, emptied, forest_stats, generate
 from sglang_tokendance.core.segments import DEFAULT_SEPARATOR as SEP
 from sglang_tokendance.bench.server_process import ServerProcess
 
@@ -96,18 +96,18 @@ def distinct_blocks_prompt(i: int) -> str:
     return SEP.join([f"Agent {i} history.", *blocks, " Reply:"])
 
 
-def test_small_kv_budget_evicts_and_every_request_finishes(smollm2_path):
-    with ServerProcess(["--max-total-tokens", "1200", "--context-length", "1024"]) as small:
-        for wave in range(2):  # a wave of concurrent requests well past the budget, twice
-            with ThreadPoolExecutor(6) as pool:
-                outs = list(pool.map(lambda i: generate(small.url, distinct_blocks_prompt(i), 16),
-                                     range(wave * 6, wave * 6 + 6)))
-            assert all(o["meta_info"]["finish_reason"]["type"] in ("length", "stop") for o in outs)
-            assert all(len(o["output_ids"]) >= 1 for o in outs)
-        stats = forest_stats(small.url)
-        assert stats["segments_evicted"] > 0
-        assert stats["segment_tokens"] + stats["tree_evictable_tokens"] <= 1200
-        assert_no_leak(small.url)
+def test_small_kv_budget_evicts_and_every_request_finishes(small_pool_server_url):
+    small = emptied(small_pool_server_url)
+    evicted_before = forest_stats(small)["segments_evicted"]  # a counter over the server's life
+    for wave in range(2):  # a wave of concurrent requests well past the budget, twice
+        with ThreadPoolExecutor(6) as pool:
+            outs = list(pool.map(lambda i: generate(small, distinct_blocks_prompt(i), 16),
+                                 range(wave * 6, wave * 6 + 6)))
+        assert all(o["meta_info"]["finish_reason"]["type"] in ("length", "stop") for o in outs)
+        assert all(len(o["output_ids"]) >= 1 for o in outs)
+    stats = forest_stats(small)
+    assert stats["segments_evicted"] > evicted_before
+    assert stats["segment_tokens"] + stats["tree_evictable_tokens"] <= SMALL_POOL
 
 
 def test_segment_copy_stores_unrotated_k_and_same_v():

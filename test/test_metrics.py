@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import requests
 
-from conftest import generate
+from conftest import emptied, generate
 from sglang_tokendance.core.segment_table import SegmentTable
 from sglang_tokendance.core.segments import DEFAULT_SEPARATOR as SEP
-from sglang_tokendance.bench.server_process import ServerProcess
 from test_forest import BLOCKS, distinct_blocks_prompt, forest_stats
 
 LABELS = {"cache_type": "SegmentForest", "tp_rank": "0"}
@@ -64,13 +63,11 @@ def test_forest_reports_bytes_held_after_evicting_segments():
     assert list(forest.segments.entries) == ["b"] and forest.metrics.held_updates == 1
 
 
-BUDGET = 1200  # KV tokens: small enough that test_bytes_held_follow_eviction evicts
-
-
 @pytest.fixture(scope="module")
-def server(smollm2_path):
-    with ServerProcess(["--enable-metrics", "--max-total-tokens", str(BUDGET), "--context-length", "1024"]) as proc:
-        yield proc.url
+def server(small_pool_server_url):
+    """The shared small-pool server (SMALL_POOL KV tokens: small enough that
+    test_bytes_held_follow_eviction evicts), emptied."""
+    return emptied(small_pool_server_url)
 
 
 def tokendance_metrics(url: str) -> dict[str, float]:
@@ -111,8 +108,9 @@ def test_hits_misses_reused_tokens_and_bytes_held(server):
 @pytest.mark.slow
 def test_bytes_held_follow_eviction(server):
     requests.post(server + "/flush_cache", timeout=60)
+    evicted_before = forest_stats(server)["segments_evicted"]  # a counter over the server's life
     for i in range(10):  # about 2000 tokens of distinct segments into a 1200-token pool
         generate(server, distinct_blocks_prompt(i), 2)
     stats = forest_stats(server)
-    assert stats["segments_evicted"] > 0
+    assert stats["segments_evicted"] > evicted_before
     assert tokendance_metrics(server)["sglang:tokendance_segment_bytes"] == stats["segment_bytes"] > 0
