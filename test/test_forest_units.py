@@ -180,7 +180,7 @@ def test_requests_without_segments_or_reuse_keep_sglangs_path():
 
     assert RequestReuse.of(*with_options(fake_req([], 10)), can_reuse=True) is None
     registering = RequestReuse.of(*with_options(fake_req([], 10, register_output=True)), can_reuse=True)
-    assert registering.register_output and not registering.can_reuse
+    assert registering.options.register_output and not registering.can_reuse
     req = fake_req([SegmentSpan(0, 20, "a")], 30)
     state = RequestReuse.of(req, options_of(req), can_reuse=False)
     table = SegmentTable()

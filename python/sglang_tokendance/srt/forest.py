@@ -27,10 +27,11 @@ Reuse wraps SGLang's allocation of a batch's slots (`restore_segments`, an AROUN
 ScheduleBatch.prepare_for_extend): each request's chunk is planned first (srt/reuse.py,
 core/plan.py), the allocation's eviction takes the Masters those plans read last, then the
 reused positions are restored as above; the model forward (srt/forward_hook.py) runs the
-blended prefill on the plans and hands them back (`settle`). A request's approximate KV never enters the shared tree, in any
-chunk: it publishes only the part before its first reused token, and caches only segments that
-end before it. Under mirror storage a finished row that names its agent is kept whole for that
-agent alone, in a namespace only the agent's requests match (srt/kept_mirrors.py).
+blended prefill on the plans and hands them back (`settle`). A request's approximate KV never
+enters the shared tree, in any chunk: it publishes only the part before its first reused
+token, and caches only segments that end before it. Under mirror storage a finished row that
+names its agent is kept whole for that agent alone, in a namespace only the agent's requests
+match (srt/kept_mirrors.py).
 
 Output registration: srt/output_registration.py. Metrics: srt/metrics.py.
 """
@@ -124,10 +125,10 @@ class SegmentForest(KeptMirrors):
             super().checkpoint(req, up_to=exact)  # the row now points at the tree's slots up to `exact`
         self.insert_segments(req, state, exact)
         if req.finished():  # before SGLang releases the row's own slots
-            if state.register_output:
+            if state.options.register_output:
                 self.register_output(req, state)
-            if self.zero_copy and state.agent is not None and exact < up_to:
-                self.keep_for_agent(req, state.agent, up_to)
+            if self.zero_copy and state.options.agent is not None and exact < up_to:
+                self.keep_for_agent(req, state.options.agent, up_to)
         self.metrics.update_held()
 
     def on_release(self, req, *, checkpointed: bool) -> None:

@@ -84,10 +84,8 @@ class RequestReuse:
 
     req: Any  # SGLang's Req (only read, and its customized_info written, never extended)
     namespace: Hashable  # SGLang's cache namespace: segments never cross it
-    spans: list[SegmentSpan]
+    options: RequestOptions  # its spans, output registration, agent (parsed once, srt/request)
     can_reuse: bool  # False: SGLang's own forward (input logprobs, hidden states, embeddings)
-    register_output: bool
-    agent: str | None = None  # keep the finished row for this agent's next prompt (mirror storage)
     first_reused: int = NOT_REUSED
     counts: ReuseCounts = field(default_factory=ReuseCounts)
     uninserted: list[SegmentSpan] = field(default_factory=list)  # spans not yet cached
@@ -108,9 +106,8 @@ class RequestReuse:
         this row enters the shared tree or becomes a segment (its exact part is there already)."""
         if not options.concerns_tokendance:
             return None
-        spans = list(options.spans)
-        state = cls(req, namespace_of(req), spans, can_reuse and bool(spans), options.register_output, options.agent,
-                    uninserted=list(spans))
+        state = cls(req, namespace_of(req), options, can_reuse and bool(options.spans),
+                    uninserted=list(options.spans))
         if agent_prefix:
             state.first_reused = 0
             state.counts.agent_prefix_tokens = agent_prefix
@@ -126,7 +123,8 @@ class RequestReuse:
         runs = ChunkRuns()
         if self.can_reuse:
             ids = self.req.origin_input_ids
-            runs = plan_chunk(self.spans, lambda span: self._lookup(table, span, ids), prefix_len, extend_end, len(ids))
+            runs = plan_chunk(self.options.spans, lambda span: self._lookup(table, span, ids), prefix_len, extend_end,
+                              len(ids))
         plan = ChunkPlan(self, prefix_len, extend_end - prefix_len, runs.runs, group=group,
                          hits=len(set(runs.found) - self._looked_up), misses=len(set(runs.missed) - self._looked_up))
         self._looked_up.update(runs.found + runs.missed)
@@ -170,7 +168,7 @@ class RequestReuse:
     def publish(self) -> None:
         """The counts so far reach meta_info["tokendance"] through SGLang's per-request
         customized_info (sent once, when the request's first output or its end is streamed)."""
-        if self.can_reuse or self.agent is not None:
+        if self.can_reuse or self.options.agent is not None:
             info = {**asdict(self.counts), "mirror_compression": self.counts.compression()}
             self.req.customized_info = {**(self.req.customized_info or {}), REUSE_INFO_KEY: [info]}
 
