@@ -169,9 +169,30 @@ def test_reuse_at_another_offset_runs_and_keeps_approximate_kv_out_of_the_tree(s
     assert info["reused_tokens"] > 0 and info["segment_hits"] == 2
     first_reused = info["segments"][0]["start"]
     again = generate(server, other, 8)
-    # Only the exact part before the first reused token was published to the radix tree.
+    # Only the exact part before the first reused token was published to the radix tree; the
+    # blocks, met again after the same tokens, are computed exactly this time (core/recurrence).
     assert again["meta_info"]["cached_tokens"] <= first_reused
-    assert again["output_ids"] == out["output_ids"]
+    assert again["meta_info"]["tokendance"]["reused_tokens"] == 0
+    third = generate(server, other, 8)
+    assert third["meta_info"]["cached_tokens"] >= info["segments"][-1]["end"]  # now exact in the tree
+    assert third["output_ids"] == again["output_ids"]
+
+
+def test_blocks_recurring_after_the_same_notes_are_computed_exactly_once_then_hit(server):
+    """A static briefing after an agent's own notes, round after round: reused approximately
+    the first time, computed exactly the second (then published), served exactly from the tree
+    from the third on, as stock SGLang serves it from its second."""
+    requests.post(server + "/flush_cache", timeout=60)
+    generate(server, SEP.join(["You are Oskar.", BLOCKS[0], BLOCKS[1], " Oskar says:"]), 2)  # caches the blocks
+    rounds = [generate(server, SEP.join([H_MIRA, BLOCKS[0], BLOCKS[1], f" Round {r}. Mira says:"]), 4)["meta_info"]
+              for r in range(3)]
+    first, second, third = (meta["tokendance"] for meta in rounds)
+    spans = first["segments"]
+    block_tokens = sum(span["end"] - span["start"] for span in spans)
+    assert first["reused_tokens"] > 0 and first["exact_recurring_tokens"] == 0
+    assert second["exact_recurring_tokens"] == block_tokens and second["reused_tokens"] == 0
+    assert rounds[1]["cached_tokens"] <= spans[0]["start"]
+    assert rounds[2]["cached_tokens"] >= spans[-1]["end"] and third["exact_recurring_tokens"] == 0
 
 
 def test_batch_mixing_reuse_and_plain_requests(server):
@@ -235,3 +256,23 @@ def test_frontend_gen_registers_its_output(server):
     assert forest_stats(server)["segment_nodes"] == 2  # and the output
     nxt = generate(server, SEP.join(["You are Oskar.", reply, " Oskar replies:"]), 4)
     assert nxt["meta_info"]["tokendance"]["segment_hits"] == 1
+
+
+def test_a_growing_conversation_is_computed_exactly_after_its_first_round(server):
+    """Each prompt extends the last one and its answer (registered), then a block: the first
+    round reuses, every later one is computed exactly, as its blocks come back in the next
+    round's prefix; the tree then serves each previous prompt exactly, as stock SGLang's does."""
+    requests.post(server + "/flush_cache", timeout=60)
+    generate(server, SEP.join(["You are Oskar.", BLOCKS[0], BLOCKS[1], BLOCKS[2], " Oskar says:"]), 2)
+    pieces, metas = [H_MIRA, BLOCKS[0], " Mira says:"], []
+    for r in range(3):
+        body = {"text": SEP.join(pieces), "tokendance": {"register_output": True},
+                "sampling_params": {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}}
+        out = requests.post(server + "/generate", json=body, timeout=300).json()
+        metas.append(out["meta_info"])
+        pieces = [*pieces, out["text"], BLOCKS[1 + r % 2], f" Round {r + 1}. Mira says:"]
+    first, *later = (meta["tokendance"] for meta in metas)
+    assert first["reused_tokens"] > 0 and first["exact_recurring_tokens"] == 0
+    for info in later:
+        assert info["reused_tokens"] == info["recomputed_tokens"] == 0 and info["exact_recurring_tokens"] > 0
+    assert metas[2]["cached_tokens"] >= metas[1]["prompt_tokens"]

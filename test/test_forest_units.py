@@ -104,13 +104,13 @@ def test_eviction_stops_when_nothing_evictable_is_left():
     assert 40 not in forest.token_to_kv_pool_allocator.freed and forest.evictable_size() == 0
 
 
-def fake_req(spans: list[SegmentSpan], prompt_len: int, **extra):
+def fake_req(spans: list[SegmentSpan], prompt_len: int, prefix_len: int = 0, **extra):
     payload = {"segments": [vars(s) for s in spans], **extra}
     import json
 
     return SimpleNamespace(sampling_params=SimpleNamespace(custom_params={CARRIER_KEY: json.dumps(payload)}),
                            origin_input_ids=list(range(prompt_len)), extra_key=None, cache_salt=None,
-                           customized_info=None)
+                           customized_info=None, prefix_len=prefix_len)
 
 
 def options_of(req):
@@ -148,6 +148,28 @@ def test_a_segment_split_over_chunks_is_reused_piecewise_and_counted_once():
     assert (counts.reused_tokens, counts.recomputed_tokens, counts.computed_tokens) == (35, 5, 85)
     assert counts.mirror_diff_tokens == 5  # own slots at reused positions: 40 positions per 5 own slots
     assert req.customized_info[REUSE_INFO_KEY] == [{**vars(counts), "mirror_compression": 40 / 5}]
+
+
+def test_blocks_recurring_at_the_exact_frontier_are_computed_and_counted():
+    from sglang_tokendance.core.recurrence import Sightings
+    from sglang_tokendance.srt.reuse import RequestReuse, namespace_of
+
+    spans = [SegmentSpan(10, 30, "a"), SegmentSpan(35, 55, "b")]
+    table = SegmentTable()
+    sightings = Sightings()
+    first = fake_req(spans, prompt_len=60)
+    for span in spans:
+        table.insert((namespace_of(first), span.hash), torch.arange(span.start, span.end),
+                     list(range(span.start, span.end)))
+    sightings.record_prompt(namespace_of(first), first.origin_input_ids, spans[:1])  # "a" read there before
+    again = fake_req(spans, prompt_len=60, prefix_len=10)
+    state = RequestReuse.of(again, options_of(again), can_reuse=True, sightings=sightings)
+    plan = state.plan_chunk(table, 10, 60)
+    assert [(r.start, r.end) for r in plan.runs] == [(35, 55)]  # "a" computed exactly, "b" reused
+    assert state.counts.exact_recurring_tokens == 20 and state.counts.reused_tokens == 20
+    assert state.unpublished_spans(published=35) == spans[1:]
+    everywhere = RequestReuse.of(again, options_of(again), can_reuse=True)  # --no-tokendance-exact-recurrence
+    assert [(r.start, r.end) for r in everywhere.plan_chunk(table, 10, 60).runs] == [(10, 30), (35, 55)]
 
 
 def test_a_corrupted_entry_is_refused_and_the_span_computed():

@@ -192,7 +192,11 @@ def compare(args, systems: Systems, config: WorkloadConfig) -> tuple[list[dict],
         *((title, report.markdown_table(rows, list(rows[0]))) for title, rows in (
             ("Mean round latency by round (s)", by_round("round_latency_by_round_s")),
             ("Mean round prefill by round (s)", by_round("round_prefill_by_round_s")),
-            ("Prompt tokens computed by round", by_round("computed_tokens_by_round")))),
+            ("Prompt tokens computed by round", by_round("computed_tokens_by_round")),
+            ("Prompt tokens served exactly from the radix tree (cached_tokens) by round",
+             by_round("cached_tokens_by_round")),
+            ("Prompt tokens reused approximately (kept, not recomputed) by round",
+             by_round("reused_tokens_by_round")))),
     ]
     if args.quality:
         rows = full_prefill_agreement(args, config, results)

@@ -90,6 +90,13 @@ class TokenDanceArgs:
         "dense", "Form of K in the KV pool: dense (SGLang's: rotated at each token's position) or mirror "
         "(un-rotated; the tokendance attention backend rotates keys by the reader's positions as it reads)."
     )
+    exact_recurrence: bool = _option(
+        True, "A marked block met again at the same place after the same exact prefix (a static briefing after an "
+        "agent's notes, last round's blocks in a growing conversation) is computed exactly and published to the "
+        "radix tree, so later prompts hit it exactly as on stock SGLang; a prompt that continues a finished "
+        "request's prompt and registered answer is computed exactly throughout (--no-tokendance-exact-recurrence: "
+        "every cached block is reused approximately, wherever it sits)."
+    )
 
     round_window_ms: float = _option(
         50.0, "Longest time a round's requests are held for its missing members before they are admitted "

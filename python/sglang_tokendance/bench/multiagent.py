@@ -63,6 +63,9 @@ MODES: dict[str, Mode] = {
     "radix": Mode("radix", stock=True),
     "no-cache": Mode("no-cache", stock=True, server_args=("--disable-radix-cache",)),
     "tokendance": Mode("tokendance", stock=False, marked=True),  # default blended prefill
+    # every cached block reused approximately, even where it recurs after the same exact prefix (core/recurrence)
+    "tokendance-approximate": Mode("tokendance-approximate", stock=False, marked=True,
+                                   server_args=("--no-tokendance-exact-recurrence",)),
     "tokendance-plain": Mode("tokendance-plain", stock=False, marked=True,  # plain reuse, no recompute
                              server_args=("--tokendance-recompute-ratio", "0")),
     "tokendance-full": Mode("tokendance-full", stock=False, marked=True,  # blended path at ratio 1
@@ -96,6 +99,7 @@ class RequestRecord:
     segment_hits: int = 0  # cached segments the request reused
     adopted_tokens: int = 0  # reused tokens that skipped the probe (its round group's shared probe)
     mirror_diff_tokens: int = 0  # own KV slots at its reused positions (all of them under dense storage)
+    exact_recurring_tokens: int = 0  # block tokens computed exactly where they recurred after the same prefix
     prompt: str = field(default="", repr=False)  # the text it sent (--quality sends it again)
     output_ids: list[int] = field(default_factory=list, repr=False)
 
@@ -140,6 +144,9 @@ class RunResult:
         requests_by_round: dict[int, list[RequestRecord]] = {}
         for q in self.requests:
             requests_by_round.setdefault(q.round, []).append(q)
+
+        def tokens_by_round(count: Callable[[RequestRecord], int]) -> dict[int, int]:
+            return {k: sum(count(q) for q in v) for k, v in sorted(requests_by_round.items())}
         return {
             "mode": self.mode,
             "num_agents": self.num_agents,
@@ -149,8 +156,9 @@ class RunResult:
             "mean_round_latency_s": mean(r.latency for r in self.rounds),
             "round_latency_by_round_s": {k: mean(r.latency for r in v) for k, v in sorted(by_round.items())},
             "round_prefill_by_round_s": {k: mean(r.prefill for r in v) for k, v in sorted(by_round.items())},
-            "computed_tokens_by_round": {k: sum(q.prompt_tokens_computed() for q in v)
-                                         for k, v in sorted(requests_by_round.items())},
+            "computed_tokens_by_round": tokens_by_round(RequestRecord.prompt_tokens_computed),
+            "cached_tokens_by_round": tokens_by_round(lambda q: q.cached_tokens),
+            "reused_tokens_by_round": tokens_by_round(lambda q: q.reused_tokens),
             "mean_round_prefill_s": mean(r.prefill for r in self.rounds),
             "mean_round_decode_s": mean(r.decode for r in self.rounds),
             "mean_ttft_s": mean(q.ttft for q in self.requests),
@@ -272,7 +280,7 @@ async def run_session(http, url: str, mode: Mode, sim: Simulation, session: int,
                 meta.get("cached_tokens", 0), meta["completion_tokens"], reuse.get("reused_tokens", 0),
                 last["text"], reuse.get("recomputed_tokens", 0), reuse.get("computed_tokens", 0),
                 reuse.get("segment_hits", 0), reuse.get("adopted_tokens", 0), reuse.get("mirror_diff_tokens", 0),
-                bodies[agent]["text"], list(last.get("output_ids", [])),
+                reuse.get("exact_recurring_tokens", 0), bodies[agent]["text"], list(last.get("output_ids", [])),
             ))
         if prefill_only:
             blocks = await register_stand_ins(http, url, mode, sim, round_index, blocks)

@@ -49,6 +49,7 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult
 from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 
 from sglang_tokendance.core.blend import BlendOptions
+from sglang_tokendance.core.recurrence import Sightings
 from sglang_tokendance.core.segment_table import SegmentEntry
 from sglang_tokendance.core.segments import segment_hash
 from sglang_tokendance.core.selection import SelectionRule, rule_named
@@ -73,7 +74,7 @@ class SegmentForest(KeptMirrors):
     def __init__(self, params, keys: PoolKeys | None, reuse: bool, salt: bytes = b"",
                  blend: BlendOptions = BlendOptions(), rule: SelectionRule | None = None,
                  min_segment_tokens: int = 16, options: Callable[[object], RequestOptions] | None = None,
-                 group_of: Callable[[object], Hashable | None] = lambda req: None):
+                 group_of: Callable[[object], Hashable | None] = lambda req: None, exact_recurrence: bool = True):
         self.options = options or RequestOptionsCache()  # each request's TokenDance options, parsed once
         self.group_of = group_of  # the key of the round group a request is admitted with (srt/policy)
         self.keys = keys  # the pool's K form; None: no segments are cached (a plain radix cache)
@@ -81,6 +82,7 @@ class SegmentForest(KeptMirrors):
         self.salt = salt
         self.blend, self.rule = blend, rule
         self.min_segment_tokens = min_segment_tokens
+        self.sightings = Sightings() if exact_recurrence else None  # blocks to compute exactly where they recur
         self.requests: dict[object, RequestReuse] = {}  # SGLang's Req -> its reuse, until released
         self.planned: dict[int, ChunkPlan] = {}  # req_pool_idx -> its plan for the coming forward
         self.wanted: set[int] = set()  # ids of the segments the batch being allocated will read
@@ -113,6 +115,8 @@ class SegmentForest(KeptMirrors):
             self.storage.revert(plan)
         self.planned.clear()
         self.storage.clear()
+        if self.sightings is not None:
+            self.sightings.clear()
         self.metrics.update_held()
 
     def checkpoint(self, req, *, up_to: int) -> None:
@@ -125,6 +129,8 @@ class SegmentForest(KeptMirrors):
             super().checkpoint(req, up_to=exact)  # the row now points at the tree's slots up to `exact`
         self.insert_segments(req, state, exact)
         if req.finished():  # before SGLang releases the row's own slots
+            if self.sightings is not None and state.can_reuse:
+                self.sightings.record_prompt(state.namespace, req.origin_input_ids, state.unpublished_spans(exact))
             if state.options.register_output:
                 self.register_output(req, state)
             if self.zero_copy and state.options.agent is not None and exact < up_to:
@@ -164,8 +170,10 @@ class SegmentForest(KeptMirrors):
         if ids is None:
             return
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
-        self.storage.cache(state.key(segment_hash(ids, self.salt)), ids, row, len(req.origin_input_ids),
-                           output_kv_tokens(req, len(ids)))
+        output_hash = segment_hash(ids, self.salt)
+        self.storage.cache(state.key(output_hash), ids, row, len(req.origin_input_ids), output_kv_tokens(req, len(ids)))
+        if self.sightings is not None:
+            self.sightings.record_output(state.namespace, req.origin_input_ids, output_hash)
 
     # --- reuse ------------------------------------------------------------------------------
 
@@ -208,7 +216,7 @@ class SegmentForest(KeptMirrors):
         if state is None and not is_lora(req):
             agent_prefix = req.prefix_len if is_kept(req.last_node) else 0
             state = RequestReuse.of(req, self.options(req), can_reuse=self.reuse and may_reuse(req),
-                                    agent_prefix=agent_prefix)
+                                    agent_prefix=agent_prefix, sightings=self.sightings)
             if state is not None:
                 self.requests[req] = state
         return state
@@ -388,7 +396,7 @@ def build_forest(ctx: TreeCacheBuildContext, options: Callable[[object], Request
                          f"{hf_config.num_hidden_layers} layers")
     return SegmentForest(ctx.params, keys, reuse=reuse, salt=model_salt_from_env(), blend=args.blend_options(),
                          rule=rule_named(args.selection), min_segment_tokens=args.min_segment_tokens,
-                         options=options, group_of=group_of)
+                         options=options, group_of=group_of, exact_recurrence=args.exact_recurrence)
 
 
 def restore_after_allocation(prepare_for_extend, batch, *args, **kwargs):

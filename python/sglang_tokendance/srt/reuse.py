@@ -23,6 +23,7 @@ from sglang_tokendance.core.blend import ReusedRun
 from sglang_tokendance.core.segment_table import SegmentEntry, SegmentTable
 from sglang_tokendance.core.segments import SegmentSpan
 from sglang_tokendance.core.plan import ChunkRuns, PlannedRun, plan_chunk
+from sglang_tokendance.core.recurrence import Sightings
 from sglang_tokendance.srt.prompt_interface import REUSE_INFO_KEY
 from sglang_tokendance.srt.request import RequestOptions
 
@@ -41,6 +42,7 @@ class ReuseCounts:
     adopted_tokens: int = 0  # restored tokens that skipped the probe, taking their round group's choice
     mirror_diff_tokens: int = 0  # own slots at reused positions: recomputed ones (mirror), all (dense)
     agent_prefix_tokens: int = 0  # the prompt prefix read from its agent's kept Mirror (srt/kept_mirrors.py)
+    exact_recurring_tokens: int = 0  # block tokens computed exactly where they recurred (core/recurrence.py)
 
     def compression(self) -> float | None:
         """Reused positions per own slot among them (1.0: a dense copy; None: no own slot)."""
@@ -86,6 +88,7 @@ class RequestReuse:
     namespace: Hashable  # SGLang's cache namespace: segments never cross it
     options: RequestOptions  # its spans, output registration, agent (parsed once, srt/request)
     can_reuse: bool  # False: SGLang's own forward (input logprobs, hidden states, embeddings)
+    reusable: list[SegmentSpan] = field(default_factory=list)  # the spans it may read from Masters
     first_reused: int = NOT_REUSED
     counts: ReuseCounts = field(default_factory=ReuseCounts)
     uninserted: list[SegmentSpan] = field(default_factory=list)  # spans not yet cached
@@ -99,19 +102,35 @@ class RequestReuse:
         return sum(slots.numel() for slots in self.read_slots.values())
 
     @classmethod
-    def of(cls, req, options: RequestOptions, can_reuse: bool, agent_prefix: int = 0) -> "RequestReuse | None":
+    def of(cls, req, options: RequestOptions, can_reuse: bool, agent_prefix: int = 0,
+           sightings: Sightings | None = None) -> "RequestReuse | None":
         """The state of a request that carries segments, asks for output registration or
         names its agent (`options`, parsed once). `agent_prefix`: its matched prefix is its
         agent's kept Mirror, whose KV is approximate past its first reused token, so nothing of
-        this row enters the shared tree or becomes a segment (its exact part is there already)."""
+        this row enters the shared tree or becomes a segment (its exact part is there already).
+        `sightings`: the blocks seen before, each one that recurs at the request's exact
+        frontier is computed exactly (core/recurrence.py; None: every block may be reused)."""
         if not options.concerns_tokendance:
             return None
         state = cls(req, namespace_of(req), options, can_reuse and bool(options.spans),
-                    uninserted=list(options.spans))
+                    reusable=list(options.spans), uninserted=list(options.spans))
         if agent_prefix:
             state.first_reused = 0
             state.counts.agent_prefix_tokens = agent_prefix
+        elif sightings is not None and state.can_reuse:
+            state.compute_recurring(sightings.exact_until(state.namespace, req.origin_input_ids, options.spans,
+                                                          req.prefix_len), req.prefix_len)
         return state
+
+    def compute_recurring(self, exact_until: int, prefix_len: int) -> None:
+        """The spans that end by `exact_until` are computed, not reused, so the tree gets them exact."""
+        self.reusable = [span for span in self.options.spans if span.end > exact_until]
+        self.counts.exact_recurring_tokens = sum(max(0, min(span.end, exact_until) - max(span.start, prefix_len))
+                                                 for span in self.options.spans)
+
+    def unpublished_spans(self, published: int) -> list[SegmentSpan]:
+        """The spans whose exact KV did not reach the tree (it holds the row up to `published`)."""
+        return [span for span in self.options.spans if span.end > published]
 
     def key(self, segment_hash: str) -> Hashable:
         return (self.namespace, segment_hash)
@@ -123,7 +142,7 @@ class RequestReuse:
         runs = ChunkRuns()
         if self.can_reuse:
             ids = self.req.origin_input_ids
-            runs = plan_chunk(self.options.spans, lambda span: self._lookup(table, span, ids), prefix_len, extend_end,
+            runs = plan_chunk(self.reusable, lambda span: self._lookup(table, span, ids), prefix_len, extend_end,
                               len(ids))
         plan = ChunkPlan(self, prefix_len, extend_end - prefix_len, runs.runs, group=group,
                          hits=len(set(runs.found) - self._looked_up), misses=len(set(runs.missed) - self._looked_up))
