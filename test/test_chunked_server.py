@@ -38,7 +38,8 @@ def post(url: str, text: str, salt: str | None = None, max_new_tokens: int = 8, 
 
 @pytest.fixture(scope="module")
 def default_server(smollm2_path):
-    with ServerProcess([*CHUNK, "--enable-metrics"]) as proc:
+    # the reader is sent again on purpose, to reuse again (not to be computed as a recurrence)
+    with ServerProcess([*CHUNK, "--enable-metrics", "--no-tokendance-exact-recurrence"]) as proc:
         yield proc.url
 
 

@@ -47,9 +47,11 @@ def post(url: str, text: str, max_new_tokens: int = 4, **sampling) -> dict:
 @pytest.fixture(scope="module")
 def server(smollm2_path):
     # retraction every 30 decode steps on top of the real pressure of a tiny pool: every
-    # concurrent run below is retracted and re-run
+    # concurrent run below is retracted and re-run; the same prompts are sent again on purpose, to
+    # reuse again (not to be computed as recurrences, core/recurrence)
     with ServerProcess(["--max-total-tokens", str(POOL), "--context-length", "1024", "--tokendance-recompute-ratio",
-                        "1.0", "--tokendance-check-layer", "2"], env=RETRACT_EVERY_30_STEPS) as proc:
+                        "1.0", "--tokendance-check-layer", "2", "--no-tokendance-exact-recurrence"],
+                       env=RETRACT_EVERY_30_STEPS) as proc:
         for author in range(2):  # every block cached, in two authors' contexts
             post(proc.url, SEP.join([f"You are author {author}.", *BLOCKS[author * 4:author * 4 + 4], " Go:"]), 1)
         assert forest_stats(proc.url)["segment_nodes"] == len(BLOCKS)

@@ -35,9 +35,11 @@ def cache_every_block(url: str) -> None:
 @pytest.fixture(scope="module")
 def server(smollm2_path):
     # an optimistic admission (--schedule-conservativeness) lets decodes outgrow the pool;
-    # SGLang checks its pool accounting after every step (each slot counted once) and stops on a mismatch
+    # SGLang checks its pool accounting after every step (each slot counted once) and stops on a mismatch;
+    # prompts are sent again on purpose, to read Masters again (not to be computed as recurrences)
     with ServerProcess(["--max-total-tokens", str(POOL), "--context-length", "1024", "--schedule-conservativeness",
-                        "0.05", "--tokendance-storage", "mirror", "--tokendance-check-layer", "2", "--enable-metrics"],
+                        "0.05", "--tokendance-storage", "mirror", "--tokendance-check-layer", "2", "--enable-metrics",
+                        "--no-tokendance-exact-recurrence"],
                        env={"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1"}) as proc:
         cache_every_block(proc.url)
         assert forest_stats(proc.url)["segment_nodes"] == len(BLOCKS)
@@ -198,9 +200,10 @@ def test_flush_waits_for_live_mirrors_then_frees_every_slot(server):
 @pytest.fixture(scope="module")
 def retracting_server(smollm2_path):
     """Mirror storage at the default recompute ratio (rows read Masters in place) under SGLang's
-    retraction test switch; the pool holds every block, so a re-run reads the same Masters."""
+    retraction test switch; the pool holds every block, so a re-run reads the same Masters (and a
+    prompt sent again reads them again: no recurrence computed exactly)."""
     with ServerProcess(["--max-total-tokens", "8192", "--context-length", "1024", "--tokendance-storage", "mirror",
-                        "--tokendance-check-layer", "2"],
+                        "--tokendance-check-layer", "2", "--no-tokendance-exact-recurrence"],
                        env={**RETRACT_EVERY_30_STEPS, "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1"}) as proc:
         cache_every_block(proc.url)
         yield proc.url

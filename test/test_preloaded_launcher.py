@@ -40,6 +40,21 @@ def test_a_forked_module_gets_its_argv_environment_session_and_log(launcher, tmp
     assert log.read_text().split() == ["['--flag',", "'x']", "yes", "True"]
 
 
+def test_a_cpu_server_forks_its_subprocesses_only_under_the_launchers_sglang_settings(launcher, tmp_path):
+    """SGLang asks for "spawn"; a forked server gets "fork" (its scheduler inherits the imports),
+    unless one of its SGLang settings differs from the launcher's: modules read those at import."""
+    (tmp_path / "start_method.py").write_text(
+        "import multiprocessing\nmultiprocessing.set_start_method('spawn', force=True)\n"
+        "print(multiprocessing.get_start_method())\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    methods = []
+    for extra in ({}, {"SGLANG_TEST_RETRACT": "1"}):
+        log = tmp_path / "method.log"
+        assert launcher.start("start_method", [], {**env, **extra}, log).wait(timeout=60) == 0
+        methods.append(log.read_text().strip())
+    assert methods == ["fork", "spawn"]
+
+
 def test_our_launchers_refusal_is_its_exit_status_and_message(launcher, tmp_path):
     log = tmp_path / "refused.log"
     server = launcher.start("sglang_tokendance.launch_server", ["--tokendance-nope", "1"], dict(os.environ), log)

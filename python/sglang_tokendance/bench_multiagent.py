@@ -256,6 +256,8 @@ def mode_orders(modes: list[Mode], repeats: int) -> list[list[Mode]]:
 def capacity(args, systems: Systems, config: WorkloadConfig) -> tuple[list[dict], list[tuple[str, str]]]:
     """Most agents per mode and session rate whose mean round latency stays under the SLO
     (the median over --capacity-repeats searches)."""
+    from sglang_tokendance.bench.server_process import flush_cache
+
     rates = [float(r) for r in args.capacity_rates.split(",")]
     records, found, latency_series = [], {}, {}
     slo = args.slo_ms / 1000 if args.slo_ms else None
@@ -270,6 +272,7 @@ def capacity(args, systems: Systems, config: WorkloadConfig) -> tuple[list[dict]
                 for rate in rates:
                     best, curve = 0, []
                     for n in range(1, args.max_agents + 1):
+                        flush_cache(server.url)  # each probe as on a fresh server: no earlier probe's KV
                         result = run(mode, server.url, replace(config, num_agents=n), args.num_sessions, rate,
                                      f"{mode.name} #{repeat} rate={rate} agents={n}")
                         summary = result.summary()

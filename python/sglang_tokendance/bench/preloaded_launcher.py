@@ -3,8 +3,9 @@
 A server start pays SGLang's import in its main process (about 20 s of CPU on a 2-core machine,
 a third of a start); a forked server starts with it done. The server itself is unchanged: the
 fork runs `python -m <module> <argv>` as `runpy` does, with its own environment, session and
-log, and SGLang still spawns its scheduler and detokenizer as fresh interpreters. Nothing here
-runs before the fork but imports, so no plugin, hook or thread of a server is shared.
+log. Nothing here runs before the fork but imports, so no plugin, hook or thread of a server is
+shared. On the CPU the server also forks its scheduler and detokenizer instead of spawning
+fresh interpreters (`fork_subprocesses`): they start with its imports done too.
 
 The launcher detaches from whoever starts it (it is not that process's descendant), because
 SGLang's `Engine.shutdown` kills every descendant of the process it runs in; it ends, killing
@@ -95,8 +96,35 @@ class ForkedServer:
         return self.returncode
 
 
-def _run_forked(request: dict[str, Any], protocol: list[IO]) -> None:
-    """In the fork: become the server (own session, environment, argv and log) and never return."""
+def sglang_settings(env: dict[str, str]) -> dict[str, str]:
+    """SGLang's environment settings: several are read once, when a module is imported (e.g. the
+    scheduler's SGLANG_TEST_RETRACT). Ours (SGLANG_TOKENDANCE_*) are read when used, and SGLang
+    sets SGLANG_RUN_ID itself at every start (an in-process Engine leaves it behind)."""
+    return {k: v for k, v in env.items()
+            if k.startswith("SGLANG") and not k.startswith("SGLANG_TOKENDANCE_") and k != "SGLANG_RUN_ID"}
+
+
+def fork_subprocesses() -> None:
+    """In a CPU server: SGLang sets the start method "spawn" (a fresh interpreter per scheduler
+    and detokenizer, which re-imports SGLang and torch: about 20 s of a 2-core machine per
+    server); take "fork" instead, so they inherit the server's imports. Spawn exists for CUDA,
+    which a forked child cannot use; these servers have no GPU, and the server's process forks
+    them before it starts any thread of its own (SGLang launches its subprocesses first). Only
+    for a server whose SGLang settings are the launcher's (`_run_forked`): the modules it
+    inherits read theirs at import."""
+    import multiprocessing
+
+    set_start_method = multiprocessing.set_start_method
+
+    def fork_instead_of_spawn(method: str | None, force: bool = False) -> None:
+        set_start_method("fork" if method == "spawn" else method, force=force)
+
+    multiprocessing.set_start_method = fork_instead_of_spawn
+
+
+def _run_forked(request: dict[str, Any], protocol: list[IO], imported_with: dict[str, str]) -> None:
+    """In the fork: become the server (own session, environment, argv and log) and never return.
+    `imported_with`: the SGLang settings the launcher imported SGLang under."""
     code = 1
     try:
         os.setsid()
@@ -111,6 +139,8 @@ def _run_forked(request: dict[str, Any], protocol: list[IO]) -> None:
         sys.path[:0] = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]  # as at start-up
         sys.argv = [request["start"], *request["argv"]]
         sys.modules.pop(request["start"], None)  # runpy runs a fresh copy as __main__ either way
+        if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1" and sglang_settings(os.environ) == imported_with:
+            fork_subprocesses()  # on the CPU (cpu.prepare_process), under the settings SGLang was imported with
         try:
             runpy.run_module(request["start"], run_name="__main__", alter_sys=True)
             code = 0
@@ -144,6 +174,7 @@ def _serve() -> None:
     cpu.prepare_process()
     for name in PRELOADED_MODULES:
         __import__(name)
+    imported_with = sglang_settings(dict(os.environ))
     answers.write(json.dumps({"ready": True}) + "\n")
     answers.flush()
     servers: set[int] = set()
@@ -154,7 +185,7 @@ def _serve() -> None:
             sys.stderr.flush()
             pid = os.fork()
             if pid == 0:
-                _run_forked(request, [requests_in, answers])
+                _run_forked(request, [requests_in, answers], imported_with)
             servers.add(pid)
             answer: dict[str, Any] = {"pid": pid}
         else:
