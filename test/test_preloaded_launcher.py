@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from sglang_tokendance.bench.server_process import preloaded_launcher
+from sglang_tokendance.bench.server_process import may_fork, preloaded_launcher
 
 pytestmark = pytest.mark.slow  # a launcher imports SGLang's server once (~20 s on 2 cores)
 
@@ -40,17 +40,18 @@ def test_a_forked_module_gets_its_argv_environment_session_and_log(launcher, tmp
     assert log.read_text().split() == ["['--flag',", "'x']", "yes", "True"]
 
 
-def test_a_cpu_server_forks_its_subprocesses_only_under_the_launchers_sglang_settings(launcher, tmp_path):
-    """SGLang asks for "spawn"; a forked server gets "fork" (its scheduler inherits the imports),
-    unless one of its SGLang settings differs from the launcher's: modules read those at import."""
+def test_a_cpu_server_forks_sglangs_subprocesses_only_when_it_sets_no_sglang_settings(launcher, tmp_path):
+    """SGLang asks for "spawn"; a server forked for a caller that sets no SGLang settings gets
+    "fork" (its scheduler inherits the imports); one whose caller sets some keeps "spawn": SGLang
+    reads some of them when a module is imported (e.g. the scheduler's SGLANG_TEST_RETRACT)."""
     (tmp_path / "start_method.py").write_text(
         "import multiprocessing\nmultiprocessing.set_start_method('spawn', force=True)\n"
         "print(multiprocessing.get_start_method())\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     methods = []
-    for extra in ({}, {"SGLANG_TEST_RETRACT": "1"}):
+    for extra in ({"SGLANG_TOKENDANCE_CONFIG": "{}"}, {"SGLANG_TEST_RETRACT": "1"}):
         log = tmp_path / "method.log"
-        assert launcher.start("start_method", [], {**env, **extra}, log).wait(timeout=60) == 0
+        assert launcher.start("start_method", [], {**env, **extra}, log, may_fork(extra)).wait(timeout=60) == 0
         methods.append(log.read_text().strip())
     assert methods == ["fork", "spawn"]
 

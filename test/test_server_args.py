@@ -166,7 +166,7 @@ def sglang_args(**overrides):
     """The fields check_server_args reads, at SGLang's CPU-path values, with overrides."""
     from types import SimpleNamespace
 
-    base = dict(tp_size=1, pp_size=1, speculative_algorithm=None, kv_cache_dtype="auto", page_size=1,
+    base = dict(tp_size=1, pp_size=1, dp_size=1, speculative_algorithm=None, kv_cache_dtype="auto", page_size=1,
                 radix_eviction_policy="lru", device="cpu", disable_cuda_graph=True, disable_prefill_cuda_graph=False,
                 disable_overlap_schedule=False)
     return SimpleNamespace(**{**base, **overrides})
@@ -175,6 +175,7 @@ def sglang_args(**overrides):
 @pytest.mark.parametrize("overrides,flag", [
     ({"tp_size": 2}, "--tp-size"),
     ({"pp_size": 2}, "--pp-size"),
+    ({"dp_size": 2}, "--dp-size"),
     ({"speculative_algorithm": "EAGLE"}, "--speculative-algorithm"),
     ({"kv_cache_dtype": "fp8_e4m3"}, "--kv-cache-dtype"),
     ({"page_size": 16}, "--page-size"),

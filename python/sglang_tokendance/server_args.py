@@ -235,6 +235,11 @@ def check_server_args(args: TokenDanceArgs, server_args: Any) -> None:
         if (get(name) or 1) > 1:
             raise TokenDanceArgsError(flag, f"TokenDance's blended prefill runs on one rank (its selection of "
                                             f"the tokens to recompute would differ per rank), got {get(name)}{hint}")
+    if (get("dp_size") or 1) > 1:
+        raise TokenDanceArgsError("--dp-size", f"each data-parallel rank would hold its own segments and a round's "
+                                  f"requests would scatter over the ranks, got {get('dp_size')}; run one server per "
+                                  "rank behind SGLang's router (python -m sglang_router.launch_router --policy manual, "
+                                  f"one routing key per simulation){hint}")
     if get("speculative_algorithm") is not None:
         raise TokenDanceArgsError("--speculative-algorithm", "speculative decoding is not supported with "
                                                              f"TokenDance's segment reuse{hint}")

@@ -12,7 +12,7 @@ SGLang's `Engine.shutdown` kills every descendant of the process it runs in; it 
 its servers, when the starting process closes its pipe or dies.
 
 Protocol: one JSON object per line on stdin, one answer per line on stdout:
-  {"start": module, "argv": [...], "env": {...}, "log": path} -> {"pid": pid}
+  {"start": module, "argv": [...], "env": {...}, "log": path, "fork_subprocesses": bool} -> {"pid": pid}
   {"wait": pid, "block": bool}                                -> {"returncode": int | null}
 """
 
@@ -60,9 +60,12 @@ class PreloadedLauncher:
             self._stdin.flush()
             return self._read()
 
-    def start(self, module: str, argv: list[str], env: dict[str, str], log_path: Path) -> "ForkedServer":
-        """`python -m module *argv` with exactly `env`, stdout and stderr to `log_path`."""
-        pid = self._ask({"start": module, "argv": argv, "env": env, "log": str(log_path)})["pid"]
+    def start(self, module: str, argv: list[str], env: dict[str, str], log_path: Path,
+              fork_subprocesses: bool = False) -> "ForkedServer":
+        """`python -m module *argv` with exactly `env`, stdout and stderr to `log_path`; on the CPU
+        with `fork_subprocesses`, SGLang's subprocesses forked from it (`fork_subprocesses()`)."""
+        pid = self._ask({"start": module, "argv": argv, "env": env, "log": str(log_path),
+                         "fork_subprocesses": fork_subprocesses})["pid"]
         return ForkedServer(self, pid)
 
     def close(self) -> None:
@@ -96,22 +99,14 @@ class ForkedServer:
         return self.returncode
 
 
-def sglang_settings(env: dict[str, str]) -> dict[str, str]:
-    """SGLang's environment settings: several are read once, when a module is imported (e.g. the
-    scheduler's SGLANG_TEST_RETRACT). Ours (SGLANG_TOKENDANCE_*) are read when used, and SGLang
-    sets SGLANG_RUN_ID itself at every start (an in-process Engine leaves it behind)."""
-    return {k: v for k, v in env.items()
-            if k.startswith("SGLANG") and not k.startswith("SGLANG_TOKENDANCE_") and k != "SGLANG_RUN_ID"}
-
-
 def fork_subprocesses() -> None:
     """In a CPU server: SGLang sets the start method "spawn" (a fresh interpreter per scheduler
     and detokenizer, which re-imports SGLang and torch: about 20 s of a 2-core machine per
     server); take "fork" instead, so they inherit the server's imports. Spawn exists for CUDA,
     which a forked child cannot use; these servers have no GPU, and the server's process forks
     them before it starts any thread of its own (SGLang launches its subprocesses first). Only
-    for a server whose SGLang settings are the launcher's (`_run_forked`): the modules it
-    inherits read theirs at import."""
+    for a server started without SGLang settings of its own (`server_process.may_fork`): the
+    modules it inherits read theirs when the launcher imported them."""
     import multiprocessing
 
     set_start_method = multiprocessing.set_start_method
@@ -122,9 +117,8 @@ def fork_subprocesses() -> None:
     multiprocessing.set_start_method = fork_instead_of_spawn
 
 
-def _run_forked(request: dict[str, Any], protocol: list[IO], imported_with: dict[str, str]) -> None:
-    """In the fork: become the server (own session, environment, argv and log) and never return.
-    `imported_with`: the SGLang settings the launcher imported SGLang under."""
+def _run_forked(request: dict[str, Any], protocol: list[IO]) -> None:
+    """In the fork: become the server (own session, environment, argv and log) and never return."""
     code = 1
     try:
         os.setsid()
@@ -139,8 +133,8 @@ def _run_forked(request: dict[str, Any], protocol: list[IO], imported_with: dict
         sys.path[:0] = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]  # as at start-up
         sys.argv = [request["start"], *request["argv"]]
         sys.modules.pop(request["start"], None)  # runpy runs a fresh copy as __main__ either way
-        if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1" and sglang_settings(os.environ) == imported_with:
-            fork_subprocesses()  # on the CPU (cpu.prepare_process), under the settings SGLang was imported with
+        if request.get("fork_subprocesses") and os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":  # on the CPU
+            fork_subprocesses()
         try:
             runpy.run_module(request["start"], run_name="__main__", alter_sys=True)
             code = 0
@@ -174,7 +168,6 @@ def _serve() -> None:
     cpu.prepare_process()
     for name in PRELOADED_MODULES:
         __import__(name)
-    imported_with = sglang_settings(dict(os.environ))
     answers.write(json.dumps({"ready": True}) + "\n")
     answers.flush()
     servers: set[int] = set()
@@ -185,7 +178,7 @@ def _serve() -> None:
             sys.stderr.flush()
             pid = os.fork()
             if pid == 0:
-                _run_forked(request, [requests_in, answers], imported_with)
+                _run_forked(request, [requests_in, answers])
             servers.add(pid)
             answer: dict[str, Any] = {"pid": pid}
         else:

@@ -55,6 +55,13 @@ def preloaded_launcher() -> PreloadedLauncher:
     return _launcher
 
 
+def may_fork(extra_env: dict[str, str]) -> bool:
+    """Whether a preloaded server may fork SGLang's subprocesses (bench/preloaded_launcher): not
+    when its caller sets SGLang settings of its own (`SGLANG_*` but ours), which some SGLang
+    modules read when imported, and the launcher imported them without."""
+    return not any(k.startswith("SGLANG") and not k.startswith("SGLANG_TOKENDANCE_") for k in extra_env)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -89,7 +96,7 @@ class ServerProcess:
         self.log_path = Path(self._log.name)
         argv = [*argv, "--host", "127.0.0.1", "--port", str(self.port)]
         if _preloading:
-            self.proc = preloaded_launcher().start(module, argv, child_env, self.log_path)
+            self.proc = preloaded_launcher().start(module, argv, child_env, self.log_path, may_fork(env or {}))
         else:
             self.proc = subprocess.Popen([sys.executable, "-m", module, *argv], env=child_env, stdout=self._log,
                                          stderr=subprocess.STDOUT, start_new_session=True)
