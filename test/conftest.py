@@ -42,7 +42,7 @@ def full_ratio_server_url(smollm2_path):
     in chunks of FULL_RATIO_CHUNK tokens: the modules comparing ratio 1 with SGLang's own
     prefill, one prompt, in one chunk or several, share it."""
     with ServerProcess(["--chunked-prefill-size", str(FULL_RATIO_CHUNK), "--tokendance-recompute-ratio", "1.0",
-                        "--tokendance-check-layer", "2"]) as proc:
+                        "--tokendance-check-layer", "2", "--no-tokendance-cost-check"]) as proc:
         yield proc.url
 
 

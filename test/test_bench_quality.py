@@ -10,8 +10,8 @@ import pytest
 from sglang_tokendance.bench.quality import (MASTER_CHOICES, ORACLE, PLAIN, GroupBatch, QualityConfig, QualityRunner,
                                              Setting, common_prefix, evaluate_group,
                                              evaluate_master_choice, evaluate_prompt, group_references, group_settings,
-                                             kl_top, master_stores, measure_divergence, medoid, segment_copies,
-                                             summarize)
+                                             kl_top, master_stores, measure_chunked, measure_divergence, medoid,
+                                             segment_copies, summarize)
 from sglang_tokendance.bench.quality_server import Workload
 from sglang_tokendance.bench.workloads import make_simulation, preset_config
 from sglang_tokendance.bench.tiny_models import write_tiny_model
@@ -88,6 +88,39 @@ def test_every_setting_against_the_full_prefill(runner):
     rows = summarize(samples)
     assert {r["setting"] for r in rows} == set(by)
     assert all(r["recomputed_share"] == r["ratio"] for r in rows if r["rule"] == ORACLE)
+
+
+def test_chunked_prefill_plans_each_chunk_as_the_server_does(runner):
+    import torch
+
+    sim = make_simulation(preset_config("generative_agents", num_agents=2, num_rounds=1, history_words=20,
+                                        block_words=25, max_new_tokens=6))
+    store = runner.seed_store(sim)
+    prompt = runner.agent_prompt(sim, 1, 0, sim.seed_messages)
+    n, room = len(prompt.input_ids), len(prompt.input_ids) + 8
+    whole = store.place(prompt, runner.new_kv(room))
+    pieces = [(start + r.start, start + r.end, r.segment_offset, r.segment)
+              for start in range(0, n, 16) for r in store.chunk_runs(prompt, start, min(n, start + 16))]
+    assert len(pieces) > len(whole)  # a block cut by chunk boundaries is read piecewise, from its offsets
+    for start, end, offset, segment in pieces:
+        run = next(r for r in whole if r.start <= start < r.end)
+        assert end <= run.end and offset == start - run.start and segment == run.segment
+    assert sum(end - start for start, end, _, _ in pieces) == sum(r.end - r.start for r in whole)
+    setting = Setting("attention-kv", 0.5, 2, 1)
+    logits, _, stats, _ = runner.run_setting(prompt, store, setting, CONFIG.options, room)
+    one, _, one_stats = runner.run_chunked(prompt, store, setting, CONFIG.options, room, n)
+    torch.testing.assert_close(one, logits)  # one chunk is the whole prompt's forward
+    assert (one_stats.kept_tokens, one_stats.token_layers) == (stats.kept_tokens, stats.token_layers)
+    full, _, _, _ = runner.run_setting(prompt, store, Setting("full"), CONFIG.options, room)
+    chunked, _, chunked_stats = runner.run_chunked(prompt, store, Setting("attention-kv", 1.0, 2), CONFIG.options,
+                                                   room, 16)
+    torch.testing.assert_close(chunked, full, atol=1e-4, rtol=1e-4)  # ratio 1 in chunks: a full prefill
+    assert chunked_stats.reused_tokens == chunked_stats.kept_tokens == stats.reused_tokens
+    samples = measure_chunked(runner, replace(CONFIG, num_agents=(2,), prompts_per_n=1, ratios=(0.5,)), (16,))
+    assert {(s.setting, s.chunk) for s in samples} == {(label, chunk) for label in (PLAIN, "attention-kv r=0.5 c=2 s=1")
+                                                       for chunk in (0, 16)}
+    rows = summarize(samples)
+    assert {(r["setting"], r["chunk"]) for r in rows} == {(s.setting, s.chunk) for s in samples}
 
 
 def test_round_group_modes(runner):
@@ -232,8 +265,18 @@ def test_cli_writes_results(tmp_path, tiny_path):
             assert r["decode_kl"] == twin["decode_kl"]
     md = master.with_suffix(".md").read_text()
     assert "--master-choice" in md and "kl_vs_author" in md and master.with_suffix(".png").stat().st_size
-    with pytest.raises(SystemExit):
-        bench_quality.parse_args(["--groups", "--master-choice"])
+    chunked = tmp_path / "chunked.jsonl"
+    bench_quality.main(["--model-path", str(tiny_path), "--chunked", "32", "--num-agents", "2", "--prompts-per-n",
+                        "1", "--ratios", "0.5", "--check-layers", "2", "--continuation-tokens", "3",
+                        "--decode-steps", "2", "--history-words", "20", "--block-words", "25", "--output-file",
+                        str(chunked)])
+    rows = [json.loads(line) for line in chunked.read_text().splitlines()]
+    assert {(r["setting"], r["chunk"]) for r in rows if r["kind"] == "chunked_summary"} == {
+        (label, chunk) for label in ("plain", "attention-kv r=0.5 c=2 s=1") for chunk in (0, 32)}
+    assert "kl_vs_whole" in chunked.with_suffix(".md").read_text() and chunked.with_suffix(".png").stat().st_size
+    for bad in (["--groups", "--master-choice"], ["--chunked", "64", "--groups"], ["--chunked", "0"]):
+        with pytest.raises(SystemExit):
+            bench_quality.parse_args(bad)
     server = bench_quality.parse_args(["--server", "--server-workloads", "N=6 w=40;N=3 w=30 chunk=64"])
     assert server.server_workloads == (Workload(6, 40), Workload(3, 30, 64))
     assert server.server_settings[0] == bench_quality.server_default_setting()

@@ -143,6 +143,18 @@ def test_ratio_zero_computes_fresh_tokens_over_cached_kv(model):
 
 
 @torch.no_grad()
+@torch.no_grad()
+def test_a_chunk_inside_reused_text_at_ratio_zero_computes_nothing(model):
+    ids = prompt()
+    kv, _ = reuse_row(model, ids, cached_segment(model, ids, prompt(2)[:7]))
+    before = kv.k.clone(), kv.v.clone()
+    chunk = torch.arange(SEG[0] + 2, SEG[1] - 2)  # a prefill chunk wholly inside the reused segment
+    row = RequestRow(int(chunk[0]), chunk.numel(), torch.arange(ids.numel()), reused=[(0, chunk.numel())])
+    hidden, stats = blended_prefill(model, kv, ids[chunk], chunk, [row], BlendOptions(), None)
+    assert not hidden.any() and stats.token_layers == 0 and stats.reused_tokens == chunk.numel()
+    assert torch.equal(kv.k, before[0]) and torch.equal(kv.v, before[1])
+
+
 @pytest.mark.parametrize("sparse", [True, False])
 def test_sparse_writeback_keeps_cached_kv_of_tokens_not_kept(sparse):
     model = tiny("llama")

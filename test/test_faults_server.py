@@ -48,9 +48,11 @@ def post(url: str, text: str, max_new_tokens: int = 4, **sampling) -> dict:
 def server(smollm2_path):
     # retraction every 30 decode steps on top of the real pressure of a tiny pool: every
     # concurrent run below is retracted and re-run; the same prompts are sent again on purpose, to
-    # reuse again (not to be computed as recurrences, core/recurrence)
+    # reuse again (not to be computed as recurrences, core/recurrence), and blended at ratio 1 (where
+    # SGLang's own forward would be cheaper: core/cost)
     with ServerProcess(["--max-total-tokens", str(POOL), "--context-length", "1024", "--tokendance-recompute-ratio",
-                        "1.0", "--tokendance-check-layer", "2", "--no-tokendance-exact-recurrence"],
+                        "1.0", "--tokendance-check-layer", "2", "--no-tokendance-exact-recurrence",
+                        "--no-tokendance-cost-check"],
                        env=RETRACT_EVERY_30_STEPS) as proc:
         for author in range(2):  # every block cached, in two authors' contexts
             post(proc.url, SEP.join([f"You are author {author}.", *BLOCKS[author * 4:author * 4 + 4], " Go:"]), 1)

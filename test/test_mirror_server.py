@@ -87,7 +87,7 @@ def test_mirror_reuse_answers_as_dense_reuse(dense_server, mirror_server):
 
 def test_mirror_ratio_one_equals_a_full_prefill(tiny_llama):
     with ServerProcess(["--model-path", tiny_llama, *CHUNK, "--tokendance-storage", "mirror",
-                        "--tokendance-recompute-ratio", "1.0"]) as server:
+                        "--tokendance-recompute-ratio", "1.0", "--no-tokendance-cost-check"]) as server:
         reference = with_logprobs(server.url, READER, "reference")  # nothing cached: the backend's prefill
         with_logprobs(server.url, AUTHOR, "round", 2)
         blended = with_logprobs(server.url, READER, "round")

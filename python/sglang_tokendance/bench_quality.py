@@ -22,6 +22,11 @@ copies the members of a round group leave (the medoid, the first reader's), read
 round's agents at the server's default setting; results go to
 benchmark/results/quality_master_choice.{jsonl,md,png} by default.
 
+With --chunked SIZES it measures chunked prefill instead (see measure_chunked in
+sglang_tokendance/bench/quality.py): each prompt prefilled whole and in chunks of each size, as
+SGLang's chunked prefill forwards it, at plain reuse and the default rule at --ratios; results
+go to benchmark/results/quality_chunked.{jsonl,md,png} by default.
+
 With --server it measures the same prompts through real servers instead: TokenDance servers
 at --server-settings vs one with --disable-tokendance, compared on top-logprobs beside the
 same truncated measure computed in-process (see sglang_tokendance/bench/quality_server.py);
@@ -34,14 +39,15 @@ import argparse
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from sglang_tokendance.bench import quality_server, report
 from sglang_tokendance.bench.quality import (MASTER_CHOICES, PLAIN, QualityConfig, QualityRunner, Setting,
-                                             decode_kl_by_step, default_setting, measure_divergence, measure_groups,
-                                             measure_master_choice, measure_prompts, prefill_timing, sample_dicts,
-                                             summarize)
+                                             decode_kl_by_step, default_setting, measure_chunked, measure_divergence,
+                                             measure_groups, measure_master_choice, measure_prompts, prefill_timing,
+                                             sample_dicts, summarize)
 from sglang_tokendance.bench.quality_server import ServerConfig, Workload
 from sglang_tokendance.core.blend import BlendOptions
 from sglang_tokendance.core.selection import GRANULARITIES, RULES
@@ -51,6 +57,7 @@ DEFAULT_OUTPUT = Path("benchmark/results/quality.jsonl")
 DEFAULT_SERVER_OUTPUT = Path("benchmark/results/quality_server.jsonl")
 DEFAULT_GROUPS_OUTPUT = Path("benchmark/results/quality_groups.jsonl")
 DEFAULT_MASTER_OUTPUT = Path("benchmark/results/quality_master_choice.jsonl")
+DEFAULT_CHUNKED_OUTPUT = Path("benchmark/results/quality_chunked.jsonl")
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -130,6 +137,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     groups.add_argument("--master-choice", action="store_true",
                         help="measure which copy of a shared segment to keep as its Master (author's vs a "
                              "member's) instead of the sweep")
+    chunked = p.add_argument_group("chunked-prefill mode")
+    chunked.add_argument("--chunked", type=_ints, default=(),
+                         help="measure each prompt prefilled whole and in chunks of these sizes (comma-separated), "
+                              "at plain reuse and the default rule at every --ratios, instead of the sweep")
     server = p.add_argument_group("server mode")
     server.add_argument("--server", action="store_true",
                         help="measure through TokenDance servers vs a --disable-tokendance one instead of the sweep")
@@ -153,8 +164,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     server.add_argument("--server-max-total-tokens", type=int, default=8192,
                         help="--max-total-tokens of each started server (the prompts are short; keeps memory low)")
     args = p.parse_args(argv)
-    if args.server + args.groups + args.master_choice > 1:
-        p.error("choose one of --server, --groups and --master-choice")
+    if args.server + args.groups + args.master_choice + bool(args.chunked) > 1:
+        p.error("choose one of --server, --groups, --master-choice and --chunked")
+    if any(size < 1 for size in args.chunked):
+        p.error(f"--chunked sizes must be positive, got {args.chunked}")
     if not 1 <= args.decode_steps <= 64:
         p.error(f"--decode-steps must be in [1, 64], got {args.decode_steps}")
     return args
@@ -197,10 +210,11 @@ def main(argv: list[str] | None = None) -> None:
         args.model_path = str(prepared_default_model())
     runner = QualityRunner(args.model_path)
     command = report.command_line("sglang_tokendance.bench_quality", argv)
-    mode = next((m for m in ("server", "groups", "master_choice") if getattr(args, m)), "sweep")
+    mode = next((m for m in ("server", "groups", "master_choice", "chunked") if getattr(args, m)), "sweep")
     out = args.output_file or {"server": DEFAULT_SERVER_OUTPUT, "groups": DEFAULT_GROUPS_OUTPUT,
-                               "master_choice": DEFAULT_MASTER_OUTPUT, "sweep": DEFAULT_OUTPUT}[mode]
-    {"server": run_server, "groups": run_groups, "master_choice": run_master_choice,
+                               "master_choice": DEFAULT_MASTER_OUTPUT, "chunked": DEFAULT_CHUNKED_OUTPUT,
+                               "sweep": DEFAULT_OUTPUT}[mode]
+    {"server": run_server, "groups": run_groups, "master_choice": run_master_choice, "chunked": run_chunked,
      "sweep": run_sweep}[mode](args, runner, out, command)
     print(out.with_suffix(".md").read_text())
 
@@ -246,15 +260,22 @@ def run_sweep(args: argparse.Namespace, runner: QualityRunner, out: Path, comman
                     config.decode_steps, "work")
 
 
+def write_compared(out: Path, kind: str, samples: list, versus_of: Callable[[list[dict]], list[dict]]
+                   ) -> tuple[list[dict], list[dict]]:
+    """A comparison mode's JSONL (`kind`_sample, _summary, _versus records): its summary rows
+    (bench/quality summarize) and each row set beside its baseline (`versus_of(rows)`)."""
+    rows = summarize(samples)
+    versus = versus_of(rows)
+    report.write_jsonl(out, [{"kind": f"{kind}_sample", **s} for s in sample_dicts(samples)]
+                       + [{"kind": f"{kind}_summary", **r} for r in rows]
+                       + [{"kind": f"{kind}_versus", **v} for v in versus])
+    return rows, versus
+
+
 def run_groups(args: argparse.Namespace, runner: QualityRunner, out: Path, command: str) -> None:
     """Round-group mode: JSONL, Markdown, plot."""
     config = config_from(args)
-    samples = measure_groups(runner, config, args.group_probes)
-    rows = summarize(samples)
-    versus = group_versus(rows)
-    report.write_jsonl(out, [{"kind": "group_sample", **s} for s in sample_dicts(samples)]
-                       + [{"kind": "group_summary", **r} for r in rows]
-                       + [{"kind": "group_versus", **v} for v in versus])
+    rows, versus = write_compared(out, "group", measure_groups(runner, config, args.group_probes), group_versus)
     columns = ["agents", "setting", "recomputed_share", "adopted_share", "work", "first_kl", "decode_kl",
                "decode_kl_max", "top1", "top5", "common_prefix"]
     sections = [("Metrics", METRICS.format(steps=config.decode_steps) + GROUP_METRICS),
@@ -322,15 +343,49 @@ def plot_groups(path: Path, rows: list[dict], config: QualityConfig) -> None:
     report.plot_panels(path, f"Round groups (first {config.decode_steps} decode steps)", panels)
 
 
+def run_chunked(args: argparse.Namespace, runner: QualityRunner, out: Path, command: str) -> None:
+    """Chunked-prefill mode: JSONL, Markdown, plot."""
+    config = config_from(args)
+    _, versus = write_compared(out, "chunked", measure_chunked(runner, config, args.chunked), chunked_versus)
+    columns = ["agents", "setting", "chunk", "recomputed_share", "work", "first_kl", "decode_kl", "decode_kl_max",
+               "kl_vs_whole", "within_1.2x", "top1", "common_prefix"]
+    sections = [("Metrics", METRICS.format(steps=config.decode_steps) + CHUNKED_METRICS)]
+    sections += [(f"N = {n} (mean over agents)", report.markdown_table([r for r in versus if r["agents"] == n],
+                                                                        columns)) for n in config.num_agents]
+    report.write_markdown(out.with_suffix(".md"), "Blended prefill in chunks vs whole (SmolLM2-135M)", command,
+                          sections)
+    if not args.no_plot:
+        panels = [report.Panel(f"N={n}", "chunked-prefill size (0: whole prompt)", "mean decode-step KL (log)", {
+            r["setting"]: ([v["chunk"] for v in versus if (v["agents"], v["setting"]) == (n, r["setting"])],
+                           [v["decode_kl"] for v in versus if (v["agents"], v["setting"]) == (n, r["setting"])])
+            for r in versus if r["agents"] == n}, logy=True) for n in config.num_agents]
+        report.plot_panels(out.with_suffix(".png"), f"Decode-step KL (first {config.decode_steps} steps) by chunk size",
+                           panels)
+
+
+CHUNKED_METRICS = """
+
+Chunked: each prompt is prefilled in chunks of `chunk` tokens, as SGLang's chunked prefill
+forwards it (each chunk planned as the server plans it, blended over the KV the chunks before it
+left); `chunk` 0 is the whole prompt in one forward, through the same code. `kl_vs_whole`: the
+decode-step KL over the whole prompt's at the same N and setting; the target is within 1.2x."""
+
+
+def chunked_versus(rows: list[dict]) -> list[dict]:
+    """Every row with its decode-step KL over the whole-prompt row's at the same N and setting."""
+    whole = {(r["agents"], r["setting"]): r["decode_kl"] for r in rows if r["chunk"] == 0}
+    out = []
+    for r in sorted(rows, key=lambda r: (r["agents"], r["setting"], r["chunk"])):
+        base = whole.get((r["agents"], r["setting"]))
+        ratio = r["decode_kl"] / base if base and r["decode_kl"] is not None else None
+        out.append({**r, "kl_vs_whole": ratio, "within_1.2x": ratio is not None and ratio <= 1.2})
+    return out
+
+
 def run_master_choice(args: argparse.Namespace, runner: QualityRunner, out: Path, command: str) -> None:
     """Master-choice mode: JSONL, Markdown, plot."""
     config = config_from(args)
-    samples = measure_master_choice(runner, config)
-    rows = summarize(samples)
-    versus = master_versus(rows)
-    report.write_jsonl(out, [{"kind": "master_sample", **s} for s in sample_dicts(samples)]
-                       + [{"kind": "master_summary", **r} for r in rows]
-                       + [{"kind": "master_versus", **v} for v in versus])
+    rows, versus = write_compared(out, "master", measure_master_choice(runner, config), master_versus)
     columns = ["agents", "setting", "master", "recomputed_share", "work", "first_kl", "decode_kl", "decode_kl_max",
                "top1", "top5", "common_prefix"]
     sections = [("Metrics", METRICS.format(steps=config.decode_steps) + MASTER_METRICS.format(

@@ -97,6 +97,11 @@ class TokenDanceArgs:
         "request's prompt and registered answer is computed exactly throughout (--no-tokendance-exact-recurrence: "
         "every cached block is reused approximately, wherever it sits)."
     )
+    cost_check: bool = _option(
+        True, "Blend a prefill chunk only where its estimated work (probe, kept and fresh tokens, attention, the "
+        "restore) is below SGLang's own forward of the same chunk; elsewhere its matched blocks are computed "
+        "(counted as cost_fallback_tokens in meta_info) (--no-tokendance-cost-check: blend wherever a block matches)."
+    )
 
     round_window_ms: float = _option(
         50.0, "Longest time a round's requests are held for its missing members before they are admitted "

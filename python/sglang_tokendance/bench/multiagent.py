@@ -69,7 +69,12 @@ MODES: dict[str, Mode] = {
     "tokendance-plain": Mode("tokendance-plain", stock=False, marked=True,  # plain reuse, no recompute
                              server_args=("--tokendance-recompute-ratio", "0")),
     "tokendance-full": Mode("tokendance-full", stock=False, marked=True,  # blended path at ratio 1
-                            server_args=("--tokendance-recompute-ratio", "1")),
+                            server_args=("--tokendance-recompute-ratio", "1", "--no-tokendance-cost-check")),
+    # our server sent prompts without separators: nothing to reuse, it must serve as stock radix does
+    "tokendance-unmarked": Mode("tokendance-unmarked", stock=False),
+    # every matched block blended, even where core/cost estimates SGLang's own path cheaper
+    "tokendance-always": Mode("tokendance-always", stock=False, marked=True,
+                              server_args=("--no-tokendance-cost-check",)),
     # the collective blended prefill: named rounds, aligned selection, one member probing each shared block
     "tokendance-collective": Mode("tokendance-collective", stock=False, marked=True, rounds=True,
                                   server_args=("--tokendance-group-selection", "aligned",

@@ -35,7 +35,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field, replace
 from itertools import takewhile
-from typing import Iterable, NamedTuple, Sequence
+from typing import Iterable, Iterator, NamedTuple, Sequence
 
 import torch
 from tqdm import tqdm
@@ -138,6 +138,7 @@ class Sample:
     group_probe: int = 0
     adopted_tokens: int = 0  # reused tokens that skipped the probe (shared probe)
     master: str = "author"  # whose copy of each segment was read (MASTER_CHOICES)
+    chunk: int = 0  # chunked-prefill size the prompt was prefilled in (0: one forward)
 
 
 SegmentKV = tuple[torch.Tensor, torch.Tensor]  # a cached segment: K un-rotated, V [layers, n, kv_heads, d]
@@ -167,16 +168,16 @@ class SegmentStore:
         store.entries = {**self.entries, **masters}
         return store
 
+    def _lookup(self, span):
+        entry = self.entries.get(span.hash)
+        return None if entry is None else ((span.hash, entry), entry[0].shape[1])
+
     def place(self, prompt: SegmentedPrompt, kv: DenseKV) -> list[ReusedRun]:
         """Plan the whole prompt as the server plans a chunk (core/plan), rotate every cached
         segment it reads into its slots, and return the reused runs (each naming its segment
         by hash)."""
-        def lookup(span):
-            entry = self.entries.get(span.hash)
-            return None if entry is None else ((span.hash, entry), entry[0].shape[1])
-
         n = len(prompt.input_ids)
-        runs = plan_chunk(prompt.spans, lookup, 0, n, n).runs
+        runs = plan_chunk(prompt.spans, self._lookup, 0, n, n).runs
         for run in runs:
             (_, (k, v)), at = run.master, torch.arange(run.start, run.end)
             cached = slice(run.segment_offset, run.segment_offset + len(run))
@@ -184,6 +185,12 @@ class SegmentStore:
                 kv.k[layer, at] = rotate(k[layer, cached], at, self.spec)
                 kv.v[layer, at] = v[layer, cached]
         return [ReusedRun(run.start, run.end, 0, run.master[0]) for run in runs]
+
+    def chunk_runs(self, prompt: SegmentedPrompt, start: int, end: int) -> list[ReusedRun]:
+        """The reused runs of the chunk [start, end) as the server plans them (core/plan),
+        relative to the chunk's first token, each from its offset in its segment."""
+        runs = plan_chunk(prompt.spans, self._lookup, start, end, len(prompt.input_ids)).runs
+        return [ReusedRun(run.start - start, run.end - start, run.segment_offset, run.master[0]) for run in runs]
 
 
 class QualityRunner:
@@ -304,6 +311,27 @@ class QualityRunner:
         logits, stats = self.prefill(prompt.input_ids, kv, runs, setting.options(options) if runs else BlendOptions(),
                                      rule)
         return logits, kv, stats, len(runs)
+
+    @torch.no_grad()
+    def run_chunked(self, prompt: SegmentedPrompt, store: SegmentStore, setting: Setting, options: BlendOptions,
+                    room: int, chunk: int) -> tuple[torch.Tensor, DenseKV, BlendStats]:
+        """`run_setting` (not FULL) with the prompt prefilled in chunks of `chunk` tokens, as
+        SGLang's chunked prefill forwards it: each chunk planned as the server plans it and
+        blended over the KV the chunks before it left. Stats are summed over the chunks."""
+        kv, ids = self.new_kv(room), prompt.input_ids
+        store.place(prompt, kv)  # every chunk's restore at once: the rotated KV at a position is the same
+        rule = None if setting.rule == PLAIN else rule_named(setting.rule)
+        total = BlendStats()
+        for start in range(0, len(ids), chunk):
+            end = min(len(ids), start + chunk)
+            runs = store.chunk_runs(prompt, start, end)
+            row = RequestRow(start, end - start, torch.arange(end), reused=runs)
+            hidden, stats = blended_prefill(self.model, kv, torch.tensor(ids[start:end]), torch.arange(start, end),
+                                            [row], setting.options(options) if runs else BlendOptions(), rule)
+            total = BlendStats(total.token_layers + stats.token_layers,
+                               total.full_token_layers + stats.full_token_layers,
+                               total.reused_tokens + stats.reused_tokens, total.kept_tokens + stats.kept_tokens)
+        return self.model.logits(hidden[-1]), kv, total
 
 
 def kl_rows(full: torch.Tensor, blended: torch.Tensor) -> torch.Tensor:
@@ -587,6 +615,22 @@ def measure_master_choice(runner: QualityRunner, config: QualityConfig) -> list[
                                             default_setting(config))]
 
 
+def measure_chunked(runner: QualityRunner, config: QualityConfig, chunks: Sequence[int]) -> list[Sample]:
+    """Each prompt of the sweep's N prefilled whole and in chunks of each size of `chunks`, at
+    plain reuse and at default_setting's rule for every ratio of the sweep (samples' `chunk`)."""
+    settings = [Setting(PLAIN), *(replace(default_setting(config), ratio=r) for r in config.ratios)]
+    samples = []
+    for n, i, prompt, store in agent_prompts(runner, config, "chunked"):
+        ids, room = prompt.input_ids, room_for(prompt, config)
+        ref, _ = reference_of(runner, ids, config, room)
+        for setting in settings:
+            for chunk in (0, *chunks):
+                logits, kv, stats = runner.run_chunked(prompt, store, setting, config.options, room, chunk or len(ids))
+                samples.append(replace(sample_of(runner, ref, ids, config, setting, logits, kv, stats, n, i),
+                                       chunk=chunk))
+    return samples
+
+
 def screened_setting(config: QualityConfig, ratio: float) -> Setting | None:
     """The server's default rule at the deepest check layer, screened at config.screen_layer
     (None when that is not below it). A screen's probe depends on the rule and the ratio, so
@@ -597,15 +641,20 @@ def screened_setting(config: QualityConfig, ratio: float) -> Setting | None:
     return Setting(TokenDanceArgs().selection, ratio, deepest, config.screen_layer)
 
 
-def measure_prompts(runner: QualityRunner, config: QualityConfig) -> list[Sample]:
-    samples = []
+def agent_prompts(runner: QualityRunner, config: QualityConfig, desc: str
+                  ) -> Iterator[tuple[int, int, SegmentedPrompt, SegmentStore]]:
+    """At every N of the sweep, the first agents' round-0 prompts (N, agent, prompt, the seed
+    messages' Masters)."""
     for n in config.num_agents:
         sim = make_simulation(_workload(config, n, rounds=1))
         store = runner.seed_store(sim)
-        for i in tqdm(range(min(n, config.prompts_per_n)), desc=f"quality N={n}", unit="agent"):
-            prompt = runner.agent_prompt(sim, i, 0, sim.seed_messages)
-            samples.extend(evaluate_prompt(runner, prompt, store, config, n, i))
-    return samples
+        for i in tqdm(range(min(n, config.prompts_per_n)), desc=f"{desc} N={n}", unit="agent"):
+            yield n, i, runner.agent_prompt(sim, i, 0, sim.seed_messages), store
+
+
+def measure_prompts(runner: QualityRunner, config: QualityConfig) -> list[Sample]:
+    return [s for n, i, prompt, store in agent_prompts(runner, config, "quality")
+            for s in evaluate_prompt(runner, prompt, store, config, n, i)]
 
 
 @dataclass
@@ -696,17 +745,18 @@ def _workload(config: QualityConfig, agents: int, rounds: int):
 
 
 def summarize(samples: Iterable[Sample]) -> list[dict]:
-    """Means over agents per (N, setting, Master choice)."""
+    """Means over agents per (N, setting, Master choice, chunked-prefill size)."""
     groups: dict[tuple, list[Sample]] = {}
     for s in samples:
-        groups.setdefault((s.agents, s.setting, s.master), []).append(s)
+        groups.setdefault((s.agents, s.setting, s.master, s.chunk), []).append(s)
     rows = []
-    for (agents, setting, master), group in groups.items():
+    for (agents, setting, master, chunk), group in groups.items():
         n = len(group)
         reused = sum(s.reused_tokens for s in group)
         decode = [s.decode_kl for s in group if s.decode_kl is not None]
         rows.append({
-            "agents": agents, "setting": setting, "master": master, "rule": group[0].rule, "ratio": group[0].ratio,
+            "agents": agents, "setting": setting, "master": master, "chunk": chunk, "rule": group[0].rule,
+            "ratio": group[0].ratio,
             "check_layer": group[0].check_layer, "screen_layer": group[0].screen_layer,
             "group_selection": group[0].group_selection, "group_probe": group[0].group_probe,
             "adopted_share": sum(s.adopted_tokens for s in group) / max(reused, 1),

@@ -354,9 +354,10 @@ def _catch_up(model, kv, batch: "_Batch", rows: torch.Tensor, check_layer: int) 
 
 def _run_layers(model, kv, batch: "_Batch", hidden, computed: torch.Tensor, first_layer: int,
                 stats: BlendStats) -> tuple[torch.Tensor, BlendStats]:
-    """Layers first_layer..L-1 on the tokens `computed` (one stage, KV written), final norm."""
+    """Layers first_layer..L-1 on the tokens `computed` (one stage, KV written), final norm.
+    None computed (a prefill chunk inside reused text at ratio 0): no layer runs."""
     stage = _Stage(model, batch, computed.nonzero().squeeze(1))
-    for layer in range(first_layer, model.num_layers):
+    for layer in range(first_layer, model.num_layers) if stage.rows.numel() else ():
         hidden, _, _ = _layer(model, kv, stage, layer, hidden)
     stats = dataclasses.replace(stats, full_token_layers=computed.numel() * model.num_layers,
                                 token_layers=stats.token_layers + stage.rows.numel() * (model.num_layers - first_layer))

@@ -49,6 +49,7 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult
 from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 
 from sglang_tokendance.core.blend import BlendOptions
+from sglang_tokendance.core.cost import PrefillCost
 from sglang_tokendance.core.recurrence import Sightings
 from sglang_tokendance.core.segment_table import SegmentEntry
 from sglang_tokendance.core.segments import segment_hash
@@ -74,13 +75,15 @@ class SegmentForest(KeptMirrors):
     def __init__(self, params, keys: PoolKeys | None, reuse: bool, salt: bytes = b"",
                  blend: BlendOptions = BlendOptions(), rule: SelectionRule | None = None,
                  min_segment_tokens: int = 16, options: Callable[[object], RequestOptions] | None = None,
-                 group_of: Callable[[object], Hashable | None] = lambda req: None, exact_recurrence: bool = True):
+                 group_of: Callable[[object], Hashable | None] = lambda req: None, exact_recurrence: bool = True,
+                 cost: PrefillCost | None = None):
         self.options = options or RequestOptionsCache()  # each request's TokenDance options, parsed once
         self.group_of = group_of  # the key of the round group a request is admitted with (srt/policy)
         self.keys = keys  # the pool's K form; None: no segments are cached (a plain radix cache)
         self.reuse = reuse and keys is not None
         self.salt = salt
         self.blend, self.rule = blend, rule
+        self.cost = cost  # chunks whose blending would not pay take SGLang's path (None: every match blends)
         self.min_segment_tokens = min_segment_tokens
         self.sightings = Sightings() if exact_recurrence else None  # blocks to compute exactly where they recur
         self.requests: dict[object, RequestReuse] = {}  # SGLang's Req -> its reuse, until released
@@ -194,8 +197,10 @@ class SegmentForest(KeptMirrors):
             state = self._state_of(req)
             if state is None:
                 continue
-            plan = state.plan_chunk(self.segments, req.prefix_len, req.extend_end, self.group_of(req))
+            plan = state.plan_chunk(self.segments, req.prefix_len, req.extend_end, self.group_of(req), self.cost)
             self.metrics.count_restore(plan.hits, plan.misses)
+            if plan.fell_back:
+                self.metrics.count_fallback(plan.fell_back)
             if plan.runs:
                 plans.append((req, plan))
         self.wanted = {id(run.master) for _, plan in plans for run in plan.runs}
@@ -394,9 +399,13 @@ def build_forest(ctx: TreeCacheBuildContext, options: Callable[[object], Request
     if reuse and args.recompute_ratio > 0 and args.check_layer >= hf_config.num_hidden_layers:
         raise ValueError(f"--tokendance-check-layer {args.check_layer} must be below the model's "
                          f"{hf_config.num_hidden_layers} layers")
-    return SegmentForest(ctx.params, keys, reuse=reuse, salt=model_salt_from_env(), blend=args.blend_options(),
-                         rule=rule_named(args.selection), min_segment_tokens=args.min_segment_tokens,
-                         options=options, group_of=group_of, exact_recurrence=args.exact_recurrence)
+    blend, rule = args.blend_options(), rule_named(args.selection)
+    backend = ctx.server_args.prefill_attention_backend or ctx.server_args.attention_backend
+    cost = PrefillCost(hf_config.num_hidden_layers, blend, rule.needs_attention,
+                       prefix_queries=backend == "torch_native") if args.cost_check else None
+    return SegmentForest(ctx.params, keys, reuse=reuse, salt=model_salt_from_env(), blend=blend, rule=rule,
+                         min_segment_tokens=args.min_segment_tokens, options=options, group_of=group_of,
+                         exact_recurrence=args.exact_recurrence, cost=cost)
 
 
 def restore_after_allocation(prepare_for_extend, batch, *args, **kwargs):

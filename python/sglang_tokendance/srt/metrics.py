@@ -32,6 +32,9 @@ class ForestMetrics:
     def count_restore(self, hits: int, misses: int) -> None:
         """One request's segment lookups after its radix prefix (srt/forest `_restore_one`)."""
 
+    def count_fallback(self, tokens: int) -> None:
+        """A chunk whose `tokens` matched block tokens were computed: blending would not pay (core/cost)."""
+
     def count_reuse(self, reused_tokens: int, recomputed_tokens: int, own_tokens: int) -> None:
         """One request's restored tokens after its blended prefill: kept as cached, or
         recomputed; `own_tokens` of them hold the request's own slots (its Mirror diff)."""
@@ -53,6 +56,13 @@ class PrometheusForestMetrics(ForestMetrics):
                                      "Cached segments found after a request's radix prefix and reused.", labels)
         self.misses = labelled_counter("sglang:tokendance_segment_misses_total",
                                        "Shared segments after a request's radix prefix that were not cached.", labels)
+        self.fallbacks = labelled_counter(
+            "sglang:tokendance_cost_fallbacks_total",
+            "Prefill chunks whose matched blocks were computed on SGLang's path: blending them was estimated not "
+            "to pay.", labels)
+        self.fallback_tokens = labelled_counter(
+            "sglang:tokendance_cost_fallback_tokens_total",
+            "Matched block tokens computed because blending their chunk was estimated not to pay.", labels)
         self.reused_tokens = labelled_counter(
             "sglang:tokendance_reused_tokens_total",
             "Prompt tokens whose KV was restored from segment nodes and kept, not computed.", labels)
@@ -77,6 +87,10 @@ class PrometheusForestMetrics(ForestMetrics):
     def count_restore(self, hits: int, misses: int) -> None:
         self.hits.inc(hits)
         self.misses.inc(misses)
+
+    def count_fallback(self, tokens: int) -> None:
+        self.fallbacks.inc()
+        self.fallback_tokens.inc(tokens)
 
     def count_reuse(self, reused_tokens: int, recomputed_tokens: int, own_tokens: int) -> None:
         self.reused_tokens.inc(reused_tokens)

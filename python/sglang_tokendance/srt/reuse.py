@@ -20,6 +20,7 @@ import torch
 from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
 
 from sglang_tokendance.core.blend import ReusedRun
+from sglang_tokendance.core.cost import PrefillCost
 from sglang_tokendance.core.segment_table import SegmentEntry, SegmentTable
 from sglang_tokendance.core.segments import SegmentSpan
 from sglang_tokendance.core.plan import ChunkRuns, PlannedRun, plan_chunk
@@ -43,6 +44,7 @@ class ReuseCounts:
     mirror_diff_tokens: int = 0  # own slots at reused positions: recomputed ones (mirror), all (dense)
     agent_prefix_tokens: int = 0  # the prompt prefix read from its agent's kept Mirror (srt/kept_mirrors.py)
     exact_recurring_tokens: int = 0  # block tokens computed exactly where they recurred (core/recurrence.py)
+    cost_fallback_tokens: int = 0  # matched block tokens computed because blending their chunk would not pay
 
     def compression(self) -> float | None:
         """Reused positions per own slot among them (1.0: a dense copy; None: no own slot)."""
@@ -62,6 +64,7 @@ class ChunkPlan:
     hits: int = 0
     misses: int = 0
     group: Hashable | None = None
+    fell_back: int = 0  # matched tokens computed instead: blending the chunk would not pay (core/cost)
     pool_index: int = -1  # the request's row in SGLang's req_to_token
     own: torch.Tensor | None = None  # zero copy: the own slots of the reused positions, until settled
 
@@ -136,15 +139,19 @@ class RequestReuse:
         return (self.namespace, segment_hash)
 
     def plan_chunk(self, table: SegmentTable, prefix_len: int, extend_end: int,
-                   group: Hashable | None = None) -> ChunkPlan:
+                   group: Hashable | None = None, cost: PrefillCost | None = None) -> ChunkPlan:
         """Plan the chunk [prefix_len, extend_end) (core/plan) over the cached segments of the
-        request's namespace; counts the chunk's tokens, and each span's hit or miss once."""
+        request's namespace; counts the chunk's tokens, and each span's hit or miss once.
+        With `cost`, a chunk whose blending would not pay reads nothing: SGLang's path computes it."""
         runs = ChunkRuns()
         if self.can_reuse:
             ids = self.req.origin_input_ids
             runs = plan_chunk(self.reusable, lambda span: self._lookup(table, span, ids), prefix_len, extend_end,
                               len(ids))
-        plan = ChunkPlan(self, prefix_len, extend_end - prefix_len, runs.runs, group=group,
+        fell_back = 0
+        if runs.runs and cost is not None and not cost.pays(prefix_len, extend_end - prefix_len, runs.reused_tokens):
+            fell_back, runs.runs = runs.reused_tokens, []
+        plan = ChunkPlan(self, prefix_len, extend_end - prefix_len, runs.runs, group=group, fell_back=fell_back,
                          hits=len(set(runs.found) - self._looked_up), misses=len(set(runs.missed) - self._looked_up))
         self._looked_up.update(runs.found + runs.missed)
         reused = plan.reused_tokens
@@ -154,6 +161,7 @@ class RequestReuse:
         self.counts.computed_tokens += plan.extend_len - reused
         self.counts.segment_hits += plan.hits
         self.counts.segment_misses += plan.misses
+        self.counts.cost_fallback_tokens += fell_back
         self.publish()
         return plan
 

@@ -1,0 +1,172 @@
+"""`python -m sglang_tokendance.bench_never_worse`: TokenDance against stock radix on every workload shape.
+
+Turning TokenDance on must never lose what stock SGLang gives. Each shape runs one simulation
+(bench_multiagent's whole rounds: prefill and decode) on a stock radix server and on a TokenDance
+server, both emptied first (`/flush_cache`), and sets them side by side over the rounds after
+the first: round prefill and round latency (radix's time over TokenDance's: >= 1 is never
+worse), and the prompt tokens served exactly from the radix tree (TokenDance's over radix's:
+>= 1 is never less exact) next to the tokens TokenDance reused approximately. One pair of
+servers serves every shape but the chunked one, which has its own pair.
+
+Shapes:
+  all-gather     every agent's prompt: its private history, then every agent's message in its own order
+  static         a static briefing after each agent's private notes, recurring every round (debate preset)
+  conversation   each prompt extends the agent's previous prompt and answer (a growing transcript)
+  unmarked       all-gather prompts sent without separators: nothing for TokenDance to reuse
+  chunked        all-gather with both servers at --chunked-prefill-size 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from sglang_tokendance.bench import report
+from sglang_tokendance.bench.machine import idle_check
+from sglang_tokendance.bench.multiagent import MODES
+from sglang_tokendance.bench.server_process import ServerProcess, flush_cache
+from sglang_tokendance.bench.workloads import PRESETS, WorkloadConfig
+from sglang_tokendance.bench_multiagent import run, warm_up
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    preset: str
+    conversation: bool = False
+    tokendance_mode: str = "tokendance"  # how prompts reach the TokenDance server (bench/multiagent MODES)
+    chunked_prefill: int = 0  # both servers' --chunked-prefill-size (0: SGLang's default)
+
+    def config(self, args: argparse.Namespace) -> WorkloadConfig:
+        return replace(PRESETS[self.preset], num_agents=args.num_agents, num_rounds=args.num_rounds,
+                       max_new_tokens=args.max_new_tokens, seed=args.seed, conversation=self.conversation)
+
+
+SHAPES: dict[str, Shape] = {s.name: s for s in (
+    Shape("all-gather", "generative_agents"),
+    Shape("static", "debate"),
+    Shape("conversation", "generative_agents", conversation=True),
+    Shape("unmarked", "generative_agents", tokendance_mode="tokendance-unmarked"),
+    Shape("chunked", "generative_agents", chunked_prefill=128),
+)}
+
+
+def later(by_round: dict[str, float]) -> list[float]:
+    """The values of the rounds after the first (the ones reuse or the tree can serve)."""
+    return [v for k, v in by_round.items() if int(k) > 0]
+
+
+def shape_row(shape: Shape, summaries: dict[str, dict]) -> dict:
+    """TokenDance against radix on one shape, over the rounds after the first."""
+    radix, ours = summaries["radix"], summaries[shape.tokendance_mode]
+
+    def mean_later(summary: dict, key: str) -> float:
+        values = later(summary[key])
+        return sum(values) / len(values)
+
+    def total_later(summary: dict, key: str) -> int:
+        return sum(later(summary[key]))
+
+    exact_radix, exact_ours = total_later(radix, "cached_tokens_by_round"), total_later(ours, "cached_tokens_by_round")
+    return {
+        "shape": shape.name, "mode": shape.tokendance_mode,
+        "prefill_speedup": mean_later(radix, "round_prefill_by_round_s") / mean_later(ours, "round_prefill_by_round_s"),
+        "latency_speedup": mean_later(radix, "round_latency_by_round_s") / mean_later(ours, "round_latency_by_round_s"),
+        "exact_tokens_radix": exact_radix, "exact_tokens": exact_ours,
+        "exact_ratio": exact_ours / exact_radix if exact_radix else None,
+        "approximate_tokens": total_later(ours, "reused_tokens_by_round"),
+        "errors": radix["errors"] + ours["errors"],
+    }
+
+
+def run_shapes(shapes: list[Shape], args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
+    """Every shape on its pair of servers: its comparison row, and every request's and idle check's record."""
+    rows, records = [], []
+    for chunk in dict.fromkeys(shape.chunked_prefill for shape in shapes):
+        extra = [*(["--model-path", args.model_path] if args.model_path else []),
+                 *(["--chunked-prefill-size", str(chunk)] if chunk else [])]
+        with contextlib.ExitStack() as stack:
+            urls = {stock: stack.enter_context(ServerProcess(extra, stock=stock)).url for stock in (True, False)}
+            for shape in (s for s in shapes if s.chunked_prefill == chunk):
+                config, summaries = shape.config(args), {}
+                records.append({"type": "idle", "shape": shape.name, **idle_check()})
+                for mode in (MODES["radix"], MODES[shape.tokendance_mode]):
+                    url = urls[mode.stock]
+                    warm_up(mode, url, config)
+                    flush_cache(url)
+                    result = run(mode, url, config, 1, float("inf"), f"{shape.name}: {mode.name}")
+                    summaries[mode.name] = result.summary()
+                    records += [{"type": "request", "shape": shape.name, "mode": mode.name, **asdict(r)}
+                                for r in result.requests]
+                rows.append(shape_row(shape, summaries))
+    return rows, records
+
+
+def plot(path: Path, rows: list[dict]) -> None:
+    """Per shape: prefill and latency speedups and the exact-token ratio against radix (1 = radix)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = [("prefill_speedup", "round prefill: radix / TokenDance"),
+            ("latency_speedup", "round latency: radix / TokenDance"),
+            ("exact_ratio", "exact tokens: TokenDance / radix")]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(keys)
+    for i, (key, label) in enumerate(keys):
+        ax.bar([x + i * width for x in range(len(rows))], [r[key] or 0 for r in rows], width, label=label)
+    ax.axhline(1.0, color="gray", linestyle="--")
+    ax.set_xticks([x + width for x in range(len(rows))], [r["shape"] for r in rows])
+    ax.set_ylabel("ratio against stock radix (>= 1: never worse)")
+    ax.set_title("Rounds after the first, TokenDance against stock radix")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m sglang_tokendance.bench_never_worse", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default=",".join(SHAPES), help=f"from {', '.join(SHAPES)}")
+    p.add_argument("--num-agents", type=int, default=6)
+    p.add_argument("--num-rounds", type=int, default=3)
+    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--seed", type=int, default=11)
+    p.add_argument("--model-path", default=None, help="default: the prepared SmolLM2-135M-Instruct")
+    p.add_argument("--output-file", type=Path, default=Path("benchmark/results/never_worse.jsonl"),
+                   help="JSONL; the Markdown summary and the PNG plot are written beside it")
+    p.add_argument("--no-plot", action="store_true")
+    args = p.parse_args(argv)
+    unknown = [s for s in args.shapes.split(",") if s not in SHAPES]
+    if unknown:
+        p.error(f"unknown shape(s) {', '.join(unknown)}; choose from {', '.join(SHAPES)}")
+    if args.num_rounds < 2:
+        p.error("--num-rounds must be at least 2: the rounds after the first are compared")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    rows, records = run_shapes([SHAPES[name] for name in args.shapes.split(",")], args)
+    command = report.command_line("sglang_tokendance.bench_never_worse", argv)
+    report.write_jsonl(args.output_file, [{"type": "meta", "command": command},
+                                          *({"type": "shape", **r} for r in rows), *records])
+    if not args.no_plot:
+        plot(args.output_file.with_suffix(".png"), rows)
+    idles = [r for r in records if r["type"] == "idle"]
+    md = args.output_file.with_suffix(".md")
+    report.write_markdown(md, "Never worse than radix: every shape, rounds after the first", command, [
+        ("Machine idle before each shape", report.markdown_table(idles, ["shape", "cpu_busy_fraction", "idle"])),
+        ("TokenDance against stock radix (one run per shape)", report.markdown_table(rows, list(rows[0])))])
+    print(md.read_text())
+
+
+if __name__ == "__main__":
+    main()

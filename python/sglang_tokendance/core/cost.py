@@ -1,0 +1,103 @@
+"""What one prefill chunk costs on the blended path and on SGLang's own, to blend only where it pays.
+
+Work is counted in token-layers (one token through one layer's projections and MLP), with the
+other costs of either path converted at measured rates:
+* attention: each query-key pair a layer scores costs `pair` token-layers. SGLang's extend
+  attention scores n x prefix + n^2 / 2 pairs per layer, except torch_native (its CPU backend),
+  which runs every extend causal over the whole row, the prefix's positions as queries too, and
+  drops them: (prefix + n)^2 / 2 pairs, so a later chunk of a chunked prefill costs as much
+  attention as the whole prompt up to it (measured: a 4,400-token prompt in chunks of 4096
+  spent 1.7x the attention of one whose last chunk was blended). A blended stage that computes q of a
+  row's P tokens runs causal by index over the whole row when q >= P / 2 (P^2 / 2 pairs, the
+  padding included) and packed under a position mask otherwise (q x P pairs): the grid
+  core/attention picks, at the share where the two cost the same;
+* the attention mass a rule reads (core/selection attention-kv) at the last layer of each probe
+  stage: `mass` per (fresh query, reused key) pair;
+* restoring a reused token's KV into its slot before the forward (K rotated into place, V):
+  `restore` per token and layer;
+* a blended forward's own fixed work (stage layouts, selection, settling): `fixed` per chunk.
+
+The stages follow core/blend: the probe (layers 0..s on every token, then the screened ones to
+c), then the fresh and kept tokens to the last layer. The default rates were measured on the
+CPU (2 cores, SmolLM2-135M, prompts of ~1,900 tokens half reused; py-spy over SGLang's forward
+and ours); the fixed work was below that measurement's noise (about 0.05 s a request), so it is
+0. They price other models and a GPU's kernels only roughly; `--no-tokendance-cost-check` blends
+wherever a segment matches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sglang_tokendance.core.attention import CAUSAL_SHARE
+from sglang_tokendance.core.blend import BlendOptions
+
+
+@dataclass(frozen=True)
+class WorkRates:
+    """Costs beyond a token-layer, in token-layers."""
+
+    pair: float = 4.8e-4  # one query-key pair of one layer's attention
+    mass: float = 2.7e-3  # one (fresh query, reused key) pair of a probe stage's attention mass
+    restore: float = 0.063  # restoring one reused token's KV at one layer
+    fixed: float = 0.0  # a blended chunk's fixed work
+
+
+@dataclass(frozen=True)
+class Stage:
+    """`layers` consecutive layers computing `tokens` of the chunk; `mass_pairs` (fresh query,
+    reused key) pairs of attention mass at its last layer."""
+
+    layers: int
+    tokens: int
+    mass_pairs: int = 0
+
+
+@dataclass(frozen=True)
+class PrefillCost:
+    """The two paths' work for a chunk of `tokens` new tokens after `prefix` in its row, `reused`
+    of them restored from segments, under `options` on a `num_layers`-layer model."""
+
+    num_layers: int
+    options: BlendOptions
+    attention_mass: bool  # the selection rule reads attention mass (core/selection needs_attention)
+    rates: WorkRates = WorkRates()
+    prefix_queries: bool = False  # SGLang's backend computes the prefix's queries too (torch_native)
+
+    def stock(self, prefix: int, tokens: int) -> float:
+        """SGLang's extend: every token through every layer, causal over the row."""
+        pairs = (prefix + tokens) ** 2 / 2 if self.prefix_queries else tokens * prefix + tokens * tokens / 2
+        return self.num_layers * (tokens + self.rates.pair * pairs)
+
+    def blended(self, prefix: int, tokens: int, reused: int) -> float:
+        """Ours: its stages, the attention over each stage's grid, the mass, the restore and the fixed work."""
+        row = prefix + tokens
+        work = sum(stage.layers * (stage.tokens + self.rates.pair * _grid_pairs(stage.tokens, row))
+                   + self.rates.mass * stage.mass_pairs for stage in self.stages(tokens, reused))
+        restored = 0 if self.options.keeps_everything else reused
+        return work + self.rates.restore * restored * self.num_layers + self.rates.fixed
+
+    def pays(self, prefix: int, tokens: int, reused: int) -> bool:
+        """Whether blending the chunk is estimated cheaper than SGLang's own forward of it."""
+        return reused > 0 and self.blended(prefix, tokens, reused) < self.stock(prefix, tokens)
+
+    def stages(self, tokens: int, reused: int) -> list[Stage]:
+        """The blended prefill's stages for one chunk (core/blend `blended_prefill`)."""
+        o, layers, fresh = self.options, self.num_layers, tokens - reused
+        if o.recompute_ratio <= 0:
+            return [Stage(layers, fresh)]
+        if o.keeps_everything:
+            return [Stage(layers, tokens)]
+        kept = fresh + round(o.recompute_ratio * reused)
+        mass = fresh * reused if self.attention_mass else 0
+        if not o.screened:
+            return [Stage(o.check_layer + 1, tokens, mass), Stage(layers - o.check_layer - 1, kept)]
+        passed = round(min(1.0, o.screen_factor * o.recompute_ratio) * reused)
+        return [Stage(o.screen_layer + 1, tokens, mass),
+                Stage(o.check_layer - o.screen_layer, fresh + passed, fresh * passed if self.attention_mass else 0),
+                Stage(layers - o.check_layer - 1, kept)]
+
+
+def _grid_pairs(queries: int, row: int) -> float:
+    """Pairs one layer's attention scores for `queries` computed tokens of a `row`-token KV row."""
+    return row * row / 2 if queries >= CAUSAL_SHARE * row else queries * row

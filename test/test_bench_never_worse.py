@@ -1,0 +1,52 @@
+"""bench_never_worse: the per-shape comparison (fast) and, on a tiny random-weight model, every
+shape run end to end with TokenDance serving at least radix's exact tokens (slow)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sglang_tokendance import bench_never_worse
+from test_bench_multiagent import tiny_llama  # noqa: F401 (a fixture: deep enough for the default check layer)
+
+
+def summary(mode: str, prefill: list[float], latency: list[float], cached: list[int], reused: list[int]) -> dict:
+    by_round = lambda values: {str(i): v for i, v in enumerate(values)}  # noqa: E731 (JSON keys)
+    return {"mode": mode, "round_prefill_by_round_s": by_round(prefill), "round_latency_by_round_s": by_round(latency),
+            "cached_tokens_by_round": by_round(cached), "reused_tokens_by_round": by_round(reused), "errors": 0}
+
+
+def test_shape_row_compares_the_rounds_after_the_first():
+    row = bench_never_worse.shape_row(bench_never_worse.SHAPES["static"], {
+        "radix": summary("radix", [9.0, 4.0, 6.0], [20.0, 8.0, 12.0], [0, 300, 500], [0, 0, 0]),
+        "tokendance": summary("tokendance", [1.0, 2.0, 3.0], [2.0, 5.0, 5.0], [0, 200, 500], [50, 60, 0]),
+    })
+    assert row["prefill_speedup"] == pytest.approx(5.0 / 2.5) and row["latency_speedup"] == pytest.approx(10 / 5)
+    assert (row["exact_tokens_radix"], row["exact_tokens"], row["approximate_tokens"]) == (800, 700, 60)
+    assert row["exact_ratio"] == pytest.approx(700 / 800)
+    same = summary("radix", [1.0, 1.0], [1.0, 1.0], [0, 40], [0, 0])
+    unmarked = bench_never_worse.shape_row(bench_never_worse.SHAPES["unmarked"], {
+        "radix": same, "tokendance-unmarked": {**same, "mode": "tokendance-unmarked"}})
+    assert unmarked["mode"] == "tokendance-unmarked" and unmarked["exact_ratio"] == 1.0
+
+
+def test_cli_refuses_unknown_shapes_and_single_rounds():
+    for argv in (["--shapes", "all-gather,spiral"], ["--num-rounds", "1"]):
+        with pytest.raises(SystemExit):
+            bench_never_worse.parse_args(argv)
+
+
+@pytest.mark.slow
+def test_every_shape_serves_at_least_radixs_exact_tokens(tmp_path, tiny_llama):  # noqa: F811
+    out = tmp_path / "never_worse.jsonl"
+    bench_never_worse.main(["--model-path", tiny_llama, "--num-agents", "3", "--num-rounds", "3",
+                            "--max-new-tokens", "4", "--output-file", str(out)])
+    rows = {r["shape"]: r for r in map(json.loads, out.read_text().splitlines()) if r["type"] == "shape"}
+    assert set(rows) == set(bench_never_worse.SHAPES)
+    for shape, row in rows.items():
+        assert row["errors"] == 0, shape
+        assert row["exact_tokens"] >= row["exact_tokens_radix"] > 0, shape
+    assert rows["unmarked"]["approximate_tokens"] == 0
+    assert rows["all-gather"]["approximate_tokens"] > 0  # the shape reuses, and still loses no exact token
+    assert out.with_suffix(".md").exists() and out.with_suffix(".png").stat().st_size > 0
