@@ -5,7 +5,9 @@ Turning TokenDance on must never lose what stock SGLang gives. Each shape runs o
 server, both emptied first (`/flush_cache`), and sets them side by side over the rounds after
 the first: round prefill and round latency (radix's time over TokenDance's: >= 1 is never
 worse), and the prompt tokens served exactly from the radix tree (TokenDance's over radix's:
->= 1 is never less exact) next to the tokens TokenDance reused approximately. One pair of
+>= 1 is never less exact) next to the tokens TokenDance reused approximately. The next round's
+blocks are this round's answers, so where TokenDance answers differently the two sides' later
+prompts differ a little (their prompt tokens are given). One pair of
 servers serves every shape but the chunked one, which has its own pair.
 
 Shapes:
@@ -71,19 +73,24 @@ def shape_row(shape: Shape, summaries: dict[str, dict]) -> dict:
         return sum(later(summary[key]))
 
     exact_radix, exact_ours = total_later(radix, "cached_tokens_by_round"), total_later(ours, "cached_tokens_by_round")
+    last = max(radix["cached_tokens_by_round"], key=int)
     return {
         "shape": shape.name, "mode": shape.tokendance_mode,
         "prefill_speedup": mean_later(radix, "round_prefill_by_round_s") / mean_later(ours, "round_prefill_by_round_s"),
         "latency_speedup": mean_later(radix, "round_latency_by_round_s") / mean_later(ours, "round_latency_by_round_s"),
+        "prompt_tokens_radix": total_later(radix, "prompt_tokens_by_round"),
+        "prompt_tokens": total_later(ours, "prompt_tokens_by_round"),
         "exact_tokens_radix": exact_radix, "exact_tokens": exact_ours,
         "exact_ratio": exact_ours / exact_radix if exact_radix else None,
+        "last_round_exact_tokens_radix": radix["cached_tokens_by_round"][last],
+        "last_round_exact_tokens": ours["cached_tokens_by_round"][last],
         "approximate_tokens": total_later(ours, "reused_tokens_by_round"),
         "errors": radix["errors"] + ours["errors"],
     }
 
 
 def run_shapes(shapes: list[Shape], args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
-    """Every shape on its pair of servers: its comparison row, and every request's and idle check's record."""
+    """Every shape on its pair of servers: its comparison row, and every request's, round's and idle check's record."""
     rows, records = [], []
     for chunk in dict.fromkeys(shape.chunked_prefill for shape in shapes):
         extra = [*(["--model-path", args.model_path] if args.model_path else []),
@@ -99,8 +106,9 @@ def run_shapes(shapes: list[Shape], args: argparse.Namespace) -> tuple[list[dict
                     flush_cache(url)
                     result = run(mode, url, config, 1, float("inf"), f"{shape.name}: {mode.name}")
                     summaries[mode.name] = result.summary()
-                    records += [{"type": "request", "shape": shape.name, "mode": mode.name, **asdict(r)}
-                                for r in result.requests]
+                    records += [{"type": kind, "shape": shape.name, "mode": mode.name, **asdict(r)}
+                                for kind, items in (("request", result.requests), ("round", result.rounds))
+                                for r in items]
                 rows.append(shape_row(shape, summaries))
     return rows, records
 

@@ -162,6 +162,7 @@ class RunResult:
             "round_latency_by_round_s": {k: mean(r.latency for r in v) for k, v in sorted(by_round.items())},
             "round_prefill_by_round_s": {k: mean(r.prefill for r in v) for k, v in sorted(by_round.items())},
             "computed_tokens_by_round": tokens_by_round(RequestRecord.prompt_tokens_computed),
+            "prompt_tokens_by_round": tokens_by_round(lambda q: q.prompt_tokens),
             "cached_tokens_by_round": tokens_by_round(lambda q: q.cached_tokens),
             "reused_tokens_by_round": tokens_by_round(lambda q: q.reused_tokens),
             "mean_round_prefill_s": mean(r.prefill for r in self.rounds),
