@@ -29,6 +29,18 @@ def smollm2_path():
 
 
 @pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory, smollm2_path) -> str:
+    """A random-weight Llama (SmolLM2's tokenizer) two layers deeper than TokenDance's default
+    check layer: for server tests where the model does not matter (mechanics, faults, CLIs),
+    whose servers start and answer in a fraction of SmolLM2's time."""
+    from sglang_tokendance.bench.tiny_models import write_tiny_model
+    from sglang_tokendance.server_args import TokenDanceArgs
+
+    return str(write_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama",
+                                num_layers=TokenDanceArgs().check_layer + 2))
+
+
+@pytest.fixture(scope="session")
 def default_server_url(smollm2_path):
     """One TokenDance server with its default flags for every module that needs no other (a
     server start costs about a minute of CI's 2 cores); each module's fixture empties it first."""

@@ -7,7 +7,6 @@ import json
 import pytest
 
 from sglang_tokendance import bench_cost
-from test_bench_multiagent import tiny_llama  # noqa: F401 (a fixture: deep enough for the default check layer)
 
 
 def test_cases_put_the_share_of_words_in_one_marked_block_the_author_caches_elsewhere():
@@ -23,7 +22,7 @@ def test_cases_put_the_share_of_words_in_one_marked_block_the_author_caches_else
 
 
 @pytest.mark.slow
-def test_cli_times_each_mode_and_counts_blended_and_fallen_back_tokens(tmp_path, tiny_llama):  # noqa: F811
+def test_cli_times_each_mode_and_counts_blended_and_fallen_back_tokens(tmp_path, tiny_llama):
     out = tmp_path / "cost.jsonl"
     bench_cost.main(["--model-path", tiny_llama, "--prompt-words", "120", "--shares", "0,0.5", "--repeats", "1",
                      "--output-file", str(out)])

@@ -200,17 +200,6 @@ def test_error_answers_fail_loudly(fake):
         asyncio.run(go())
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory) -> str:
-    """A random-weight model deep enough for TokenDance's default check layer: the CLI's
-    servers, stock and ours, start and answer fast (what is checked is the CLI)."""
-    from sglang_tokendance.server_args import TokenDanceArgs
-    from sglang_tokendance.bench.tiny_models import write_tiny_model
-
-    return str(write_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama",
-                                num_layers=TokenDanceArgs().check_layer + 2))
-
-
 @pytest.mark.slow
 def test_cli_compares_stock_radix_and_tokendance(tmp_path, tiny_llama):
     from sglang_tokendance import bench_multiagent

@@ -8,7 +8,6 @@ import json
 import pytest
 
 from sglang_tokendance import bench_never_worse
-from test_bench_multiagent import tiny_llama  # noqa: F401 (a fixture: deep enough for the default check layer)
 
 
 def summary(mode: str, prefill: list[float], latency: list[float], cached: list[int], reused: list[int]) -> dict:
@@ -41,7 +40,7 @@ def test_cli_refuses_unknown_shapes_and_single_rounds():
 
 
 @pytest.mark.slow
-def test_every_shape_serves_at_least_radixs_exact_tokens(tmp_path, tiny_llama):  # noqa: F811
+def test_every_shape_serves_at_least_radixs_exact_tokens(tmp_path, tiny_llama):
     out = tmp_path / "never_worse.jsonl"
     bench_never_worse.main(["--model-path", tiny_llama, "--num-agents", "3", "--num-rounds", "4",
                             "--max-new-tokens", "24", "--output-file", str(out)])

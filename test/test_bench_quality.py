@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 
 import pytest
@@ -10,8 +11,8 @@ import pytest
 from sglang_tokendance.bench.quality import (MASTER_CHOICES, ORACLE, PLAIN, GroupBatch, QualityConfig, QualityRunner,
                                              Setting, common_prefix, evaluate_group,
                                              evaluate_master_choice, evaluate_prompt, group_references, group_settings,
-                                             kl_top, master_stores, measure_chunked, measure_divergence, medoid,
-                                             segment_copies, summarize)
+                                             entropy_rows, kl_top, master_stores, measure_chunked, measure_divergence,
+                                             medoid, segment_copies, summarize, top_margin)
 from sglang_tokendance.bench.quality_server import Workload
 from sglang_tokendance.bench.workloads import make_simulation, preset_config
 from sglang_tokendance.bench.tiny_models import write_tiny_model
@@ -39,6 +40,12 @@ def test_metrics_helpers():
     kl, top1, top5 = kl_top(logits, logits.flip(0))
     assert kl > 0 and not top1 and top5 == 4 / 5
     assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert float(entropy_rows(torch.zeros(2, 8))[1]) == pytest.approx(math.log(8))  # uniform: log V nats
+    assert float(entropy_rows(torch.tensor([50.0, 0, 0]))) == pytest.approx(0, abs=1e-6)
+    assert float(top_margin(logits)) == pytest.approx(2.0)  # log-probability gap of the top two
+    budgeted = Setting.parse("attention-kv r=0.3 c=5 s=1 m=100")
+    assert budgeted.budget == 100 and Setting.parse(budgeted.label) == budgeted
+    assert Setting.parse("attention-kv r=0.3 c=5").budget is None
 
 
 def test_teacher_forced_decode_steps_are_decode_steps(runner):
@@ -222,6 +229,40 @@ def test_simulation_divergence(runner):
         assert r.first_divergence in (None, 1, 2)
     full = measure_divergence(runner, replace(CONFIG, simulation_settings=(Setting("cacheblend-k", 1.0, 1),)))
     assert full[0].first_divergence is None  # ratio 1 never diverges from the full prefill
+
+
+def test_fidelity_mode_reports_content_steps_budgets_and_block_deviation(tmp_path, tiny_path):
+    from sglang_tokendance import bench_quality
+
+    out = tmp_path / "fidelity.jsonl"
+    settings = "plain;attention-kv r=0.3 c=2;attention-kv r=0.3 c=2 m=5;attention-kv r=0.3 c=2 m=0"
+    bench_quality.main(["--model-path", str(tiny_path), "--fidelity", "--num-agents", "2", "--prompts-per-n", "1",
+                        "--seeds", "0,1", "--fidelity-settings", settings, "--continuation-tokens", "4",
+                        "--decode-steps", "6", "--history-words", "20", "--block-words", "25",
+                        "--output-file", str(out)])
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    rows = {(r["preset"], r["seed"], r["setting"]): r for r in records if r["kind"] == "fidelity_summary"}
+    labels = [Setting.parse(s).label for s in settings.split(";")]
+    assert set(rows) == {(p, s, label) for p in ("generative_agents", "debate") for s in (0, 1) for label in labels}
+    for preset in ("generative_agents", "debate"):
+        plain, budgeted, exact = (rows[(preset, 0, label)] for label in (labels[0], labels[2], labels[3]))
+        assert plain["approximate_tokens"] == plain["reused_tokens"] > 5
+        assert budgeted["approximate_tokens"] <= 5 and exact["approximate_tokens"] == 0
+        assert exact["decode_kl"] == pytest.approx(0, abs=1e-6)  # nothing approximate: a full prefill
+        assert exact["decisive_top1"] in (None, 1.0)
+    samples = [r for r in records if r["kind"] == "fidelity_sample"]
+    assert all(len(s["block_deviation"]) >= 2 and s["content_steps"] <= len(s["decode_kls"]) for s in samples)
+    assert all(d == pytest.approx(0, abs=1e-5) for s in samples if s["setting"] == labels[3]
+               for d in s["block_deviation"])
+    assert any(d > 0 for s in samples if s["setting"] == labels[0] for d in s["block_deviation"])
+    assert {r["seed"] for r in records if r["kind"] == "fidelity_pooled"} == {-1}
+    assert any(r["kind"] == "fidelity_deviation" and "block 1" in r for r in records)
+    md = out.with_suffix(".md").read_text()
+    assert "--fidelity" in md and "content_kl" in md and "by block index" in md
+    assert out.with_suffix(".png").stat().st_size > 0
+    with pytest.raises(SystemExit):
+        bench_quality.parse_args(["--fidelity", "--presets", "town"])
+    assert bench_quality.parse_args(["--fidelity"]).num_agents == (4, 10, 16)
 
 
 def test_cli_writes_results(tmp_path, tiny_path):

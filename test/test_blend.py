@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from sglang_tokendance.bench.hf_layerwise import DenseKV, HFLayerwise, full_prefill
 from sglang_tokendance.core.blend import BlendOptions, RequestRow, blended_prefill, finish, probe, select
 from sglang_tokendance.core.rope import RopeSpec, rotate, unrotate
-from sglang_tokendance.core.selection import RULES, ReusedSegment, fixed_scores, rule_named, select_kept
+from sglang_tokendance.core.selection import RULES, ReusedSegment, fixed_scores, kept_share, rule_named, select_kept
 from sglang_tokendance.bench.tiny_models import TINY_ARCHITECTURES, tiny_config
 
 SEG = (12, 30)  # the reused segment's place in the target prompt
@@ -82,6 +86,25 @@ def test_ratio_one_is_a_full_prefill(model):
     torch.testing.assert_close(out, hf_logits(model, ids), atol=1e-4, rtol=1e-4)
     assert stats.kept_tokens == stats.reused_tokens == SEG[1] - SEG[0]
     assert stats.token_layers == stats.full_token_layers  # no probe layers on top
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("screen", [0, 1])
+def test_a_fidelity_budget_recomputes_all_but_that_many_reused_tokens(model, screen):
+    """A row's max_approximate raises its kept share (even from ratio 0, which alone computes
+    nothing reused); 0 leaves no token approximate: a full prefill's answer."""
+    ids = prompt()
+    segment = cached_segment(model, ids, prompt(2)[:7])
+    n = SEG[1] - SEG[0]
+    for ratio, bound, kept in ((0.0, None, 0), (0.0, 3, n - 3), (0.5, 3, n - 3), (0.9, 3, round(0.9 * n)),
+                               (0.0, n, 0), (0.2, 0, n)):
+        kv, row = reuse_row(model, ids, segment)
+        options = BlendOptions(recompute_ratio=ratio, check_layer=2, screen_layer=screen)
+        out, stats = logits(model, ids, kv, dataclasses.replace(row, max_approximate=bound), options,
+                            rule_named("attention-kv"))
+        assert stats.kept_tokens == kept, (ratio, bound)
+        if kept == n:
+            torch.testing.assert_close(out, hf_logits(model, ids), atol=1e-4, rtol=1e-4)
 
 
 @torch.no_grad()
@@ -165,7 +188,7 @@ def test_sparse_writeback_keeps_cached_kv_of_tokens_not_kept(sparse):
     scores = torch.arange(n, dtype=torch.float32)  # keeps the segment's last tokens
     checked = probe(model, kv, ids, torch.arange(ids.numel()), [row], rule_named("cacheblend-k"),
                     BlendOptions(check_layer=c))
-    kept = select_kept(scores, checked.batch.reused_segments(), 0.25)
+    kept = select_kept(scores, checked.batch.reused_segments(), [0.25])
     finish(model, kv, checked, kept, BlendOptions(recompute_ratio=0.25, check_layer=c, sparse_writeback=sparse))
     slots = torch.arange(*SEG)
     dropped, taken = slots[~kept], slots[kept]
@@ -180,19 +203,33 @@ def test_select_kept_budget_heads_and_blocks():
     segments = [[ReusedSegment(0, 10), ReusedSegment(10, 30)]]
     scores = torch.zeros(30)
     scores[[3, 25, 26]] = torch.tensor([5.0, 9.0, 7.0])
-    kept = select_kept(scores, segments, 0.1)
+    kept = select_kept(scores, segments, [0.1])
     assert kept.nonzero().squeeze(1).tolist() == [3, 25, 26]
-    kept = select_kept(scores, segments, 0.1, head_tokens=2)
+    kept = select_kept(scores, segments, [0.1], head_tokens=2)
     assert kept.nonzero().squeeze(1).tolist() == [0, 1, 10, 11]  # heads take the whole budget
-    kept = select_kept(scores, segments, 0.2, granularity="block", block_size=8)
+    kept = select_kept(scores, segments, [0.2], granularity="block", block_size=8)
     # blocks are counted from each segment's start: [26, 30) and [18, 26) score best
     assert kept.nonzero().squeeze(1).tolist() == list(range(18, 30))
-    assert select_kept(scores, segments, 1.0).all()
-    assert not select_kept(scores, segments, 0.0).any()
-    two = select_kept(torch.cat([scores, scores]), segments + [[ReusedSegment(30, 60)]], 0.1)
+    assert select_kept(scores, segments, [1.0]).all()
+    assert not select_kept(scores, segments, [0.0]).any()
+    two = select_kept(torch.cat([scores, scores]), segments + [[ReusedSegment(30, 60)]], [0.1, 0.1])
     assert two[:30].sum() == 3 and two[30:].sum() == 3  # the budget is per request
+    two = select_kept(torch.cat([scores, scores]), segments + [[ReusedSegment(30, 60)]], [0.1, 0.5])
+    assert two[:30].sum() == 3 and two[30:].sum() == 15  # and so is the ratio
     with pytest.raises(ValueError, match="granularity"):
-        select_kept(scores, segments, 0.1, granularity="page")
+        select_kept(scores, segments, [0.1], granularity="page")
+    with pytest.raises(ValueError, match="one ratio per request"):
+        select_kept(scores, segments, [0.1, 0.1])
+
+
+@given(ratio=st.floats(0.0, 1.0), reused=st.integers(0, 5000), bound=st.one_of(st.none(), st.integers(0, 5000)))
+def test_kept_share_leaves_at_most_the_budget_approximate(ratio, reused, bound):
+    share = kept_share(ratio, reused, bound)
+    assert ratio <= share <= 1.0
+    if bound is not None:
+        assert reused - round(share * reused) <= bound  # the tokens select_kept leaves approximate
+    if share > ratio:  # raised no further than the budget needs
+        assert reused - round(share * reused) == bound
 
 
 def test_a_segment_split_over_chunks_is_cut_like_the_whole_one():
@@ -200,14 +237,14 @@ def test_a_segment_split_over_chunks_is_cut_like_the_whole_one():
     counts blocks and head tokens from the segment's start, not from the run's."""
     scores = torch.rand(40)
     # the same segment seen as two runs: tokens 0..19 in one chunk, 20..39 in the next
-    first = select_kept(scores[:20], [[ReusedSegment(0, 20)]], 0.5, granularity="block", block_size=8)
-    second = select_kept(scores[20:], [[ReusedSegment(0, 20, offset=20)]], 0.5, granularity="block", block_size=8)
+    first = select_kept(scores[:20], [[ReusedSegment(0, 20)]], [0.5], granularity="block", block_size=8)
+    second = select_kept(scores[20:], [[ReusedSegment(0, 20, offset=20)]], [0.5], granularity="block", block_size=8)
     for part, start in ((first, 0), (second, 20)):
         blocks = {(start + int(i)) // 8 for i in part.nonzero().squeeze(1)}
         for b in blocks:  # every kept block is kept whole within the run: [b*8, b*8+8) ∩ run
             lo, hi = max(b * 8, start), min(b * 8 + 8, start + 20)
             assert part[lo - start:hi - start].all()
-    heads = select_kept(torch.zeros(20), [[ReusedSegment(0, 20, offset=20)]], 0.0, head_tokens=4)
+    heads = select_kept(torch.zeros(20), [[ReusedSegment(0, 20, offset=20)]], [0.0], head_tokens=4)
     assert not heads.any()  # the segment's head tokens were in the earlier chunk
 
 

@@ -202,11 +202,11 @@ def test_pools_share_a_budget_and_ignore_missing_scores():
     shared = ("g", ("S", 0))
     requests = [[ReusedSegment(0, 4, 0, shared), ReusedSegment(4, 8)], [ReusedSegment(8, 12, 0, shared)]]
     scores = torch.tensor([1.0, 9.0, 2.0, 0.0, 5.0, 0.0, 0.0, 0.0, 3.0, float("nan"), 8.0, 0.0])
-    kept = select_kept(scores, requests, 0.25)
+    kept = select_kept(scores, requests, [0.25, 0.25])
     # shared units: means 2, 9, 5, 0 (NaN ignored) -> budget round(0.25 * 8) = 2 tokens -> unit 1 in both
     # the first request's own run [4, 8): budget 1 -> token 4
     assert kept.nonzero().squeeze(1).tolist() == [1, 4, 9]
-    blocks = select_kept(scores, requests, 0.5, granularity="block", block_size=2)
+    blocks = select_kept(scores, requests, [0.5, 0.5], granularity="block", block_size=2)
     assert blocks.nonzero().squeeze(1).tolist() == [0, 1, 4, 5, 8, 9]
 
 

@@ -63,6 +63,24 @@ def test_default_ratio_recomputes_its_share_and_serves_batches(default_server_ur
     assert batch[1]["output_ids"] == alone
 
 
+def test_a_requests_fidelity_budget_bounds_its_approximate_tokens(default_server_url):
+    """`tokendance.max_approximate_tokens`: at most that many reused tokens keep their cached
+    KV (more recomputed than the ratio's share, or the chunk computed on SGLang's path where
+    that no longer pays); a budget above the ratio's leaves the default."""
+    url = emptied(default_server_url)
+    generate(url, AUTHOR, 2)
+    counts = {}
+    for budget in (None, 1000, 6, 0):
+        options = {} if budget is None else {"tokendance": {"max_approximate_tokens": budget}}
+        info = generate(url, READER.replace("Oskar", f"Oskar{budget}"), 2, **options)["meta_info"]["tokendance"]
+        seg_tokens = sum(s["end"] - s["start"] for s in info["segments"])
+        assert info["segment_hits"] == 2
+        assert info["reused_tokens"] + info["recomputed_tokens"] + info["cost_fallback_tokens"] == seg_tokens
+        counts[budget] = info["reused_tokens"]
+    assert counts[1000] == counts[None] == seg_tokens - round(0.3 * seg_tokens) > 6
+    assert counts[6] <= 6 and counts[0] == 0
+
+
 def test_input_logprob_requests_take_sglangs_path(default_server_url):
     url = default_server_url
     generate(url, AUTHOR, 2)

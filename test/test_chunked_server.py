@@ -1,7 +1,7 @@
-"""Reuse under SGLang's chunked prefill (SmolLM2, --chunked-prefill-size 64, 600+ token
-prompts): every chunk reuses, counts are summed over chunks, no approximate token enters the
-radix tree, ratio 1 equals SGLang's own chunked prefill, and per-request state survives
-aborts and reused request ids."""
+"""Reuse under SGLang's chunked prefill (--chunked-prefill-size 64, 600+ token prompts; a tiny
+random Llama where the model does not matter, SmolLM2 for ratio 1): every chunk reuses, counts
+are summed over chunks, no approximate token enters the radix tree, ratio 1 equals SGLang's own
+chunked prefill, and per-request state survives aborts and reused request ids."""
 
 from __future__ import annotations
 
@@ -37,9 +37,10 @@ def post(url: str, text: str, salt: str | None = None, max_new_tokens: int = 8, 
 
 
 @pytest.fixture(scope="module")
-def default_server(smollm2_path):
+def default_server(tiny_llama):
     # the reader is sent again on purpose, to reuse again (not to be computed as a recurrence)
-    with ServerProcess([*CHUNK, "--enable-metrics", "--no-tokendance-exact-recurrence"]) as proc:
+    with ServerProcess(["--model-path", tiny_llama, *CHUNK, "--enable-metrics", "--no-tokendance-exact-recurrence"]
+                       ) as proc:
         yield proc.url
 
 

@@ -32,19 +32,20 @@ def model() -> HFLayerwise:
 
 @pytest.mark.parametrize("name", OPTIONS)
 @pytest.mark.parametrize("prefix, tokens, runs", [(0, 48, [(8, 40)]), (16, 40, [(0, 12), (20, 36)])])
+@pytest.mark.parametrize("max_approximate", [None, 4])
 @torch.no_grad()
-def test_stages_are_the_token_layers_the_blended_prefill_computes(model, name, prefix, tokens, runs):
+def test_stages_are_the_token_layers_the_blended_prefill_computes(model, name, prefix, tokens, runs, max_approximate):
     options = OPTIONS[name]
     kv = DenseKV(model.num_layers, prefix + tokens, *model.kv_shape())
     kv.k.normal_(generator=torch.Generator().manual_seed(1))
     kv.v.normal_(generator=torch.Generator().manual_seed(2))
     ids = torch.randint(3, 512, (tokens,), generator=torch.Generator().manual_seed(3))
-    row = RequestRow(prefix, tokens, torch.arange(prefix + tokens), reused=runs)
+    row = RequestRow(prefix, tokens, torch.arange(prefix + tokens), reused=runs, max_approximate=max_approximate)
     rule = rule_named("attention-kv")
     _, stats = blended_prefill(model, kv, ids, torch.arange(prefix, prefix + tokens), [row], options, rule)
     cost = PrefillCost(model.num_layers, options, rule.needs_attention)
     reused = sum(end - start for start, end in runs)
-    assert sum(s.layers * s.tokens for s in cost.stages(tokens, reused)) == stats.token_layers
+    assert sum(s.layers * s.tokens for s in cost.stages(tokens, reused, max_approximate)) == stats.token_layers
 
 
 def test_blending_pays_where_the_saving_outweighs_the_mass_and_never_at_ratio_one():
@@ -56,6 +57,8 @@ def test_blending_pays_where_the_saving_outweighs_the_mass_and_never_at_ratio_on
     assert not PrefillCost(30, BlendOptions(recompute_ratio=1.0, check_layer=5), True).pays(0, 1000, 600)
     assert PrefillCost(30, options, attention_mass=False).pays(0, 6000, 40)  # a rule without mass
     assert not PrefillCost(30, options, True, WorkRates(fixed=1e6)).pays(0, 1000, 600)
+    assert not cost.pays(0, 1000, 600, max_approximate=0)  # nothing may stay approximate: a full prefill
+    assert cost.blended(0, 1000, 600, max_approximate=100) > cost.blended(0, 1000, 600)
 
 
 def test_torch_natives_prefix_queries_make_sglangs_later_chunks_dearer():

@@ -10,13 +10,12 @@ import pytest
 from sglang_tokendance.bench.server_process import ServerProcess
 from test_blend_server import AUTHOR, READER, output_logprobs, with_logprobs
 from test_metrics import tokendance_metrics
-from test_mirror_server import tiny_llama  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("cost_check", [True, False])
-def test_ratio_one_falls_back_to_sglangs_path_unless_told_to_blend(tiny_llama, cost_check):  # noqa: F811
+def test_ratio_one_falls_back_to_sglangs_path_unless_told_to_blend(tiny_llama, cost_check):
     flags = [] if cost_check else ["--no-tokendance-cost-check"]
     with ServerProcess(["--model-path", tiny_llama, "--tokendance-recompute-ratio", "1.0", "--tokendance-check-layer",
                         "2", "--enable-metrics", *flags]) as server:

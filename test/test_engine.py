@@ -40,17 +40,19 @@ def test_engine_mirror_storage_matches_hf(hf_smollm2):
         engine.shutdown()
 
 
-def test_engine_disabled_tokendance_keeps_the_interface(smollm2_path):
-    """--disable-tokendance: markers are still stripped and segments tokenised alone."""
+def test_engine_disabled_tokendance_keeps_the_interface(tiny_llama):
+    """--disable-tokendance: markers are still stripped and segments tokenised alone (a tiny
+    random Llama with SmolLM2's tokenizer: the model does not matter)."""
     import sglang_tokendance
     from sglang_tokendance.core.segments import DEFAULT_SEPARATOR as SEP
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
     block = "Ada: The council will vote on the new market hall tomorrow at noon in the square."
     pieces = ["History of the baker.", block, " Reply:"]
     ids = tokenizer.encode(pieces[0]) + sum((tokenizer.encode(p, add_special_tokens=False) for p in pieces[1:]), [])
-    engine = sglang_tokendance.Engine(disable_tokendance=True, tokendance_min_segment_tokens=4, log_level="error")
+    engine = sglang_tokendance.Engine(model_path=tiny_llama, disable_tokendance=True, tokendance_min_segment_tokens=4,
+                                      log_level="error")
     try:
         params = {"max_new_tokens": 8, "temperature": 0}
         marked = engine.generate(SEP.join(pieces), params)

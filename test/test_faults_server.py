@@ -1,4 +1,5 @@
-"""Faults with reuse active (SmolLM2, a KV pool far below the working set): client
+"""Faults with reuse active (a tiny random Llama: the model does not matter, a KV pool far
+below the working set does): client
 disconnects, SGLang retracting reusing requests under pool pressure, /flush_cache while
 reusing requests run, and many agents on a tiny pool. After each: the leak invariant
 (conftest, after every test) and a good request answered correctly.
@@ -45,14 +46,14 @@ def post(url: str, text: str, max_new_tokens: int = 4, **sampling) -> dict:
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_path):
+def server(tiny_llama):
     # retraction every 30 decode steps on top of the real pressure of a tiny pool: every
     # concurrent run below is retracted and re-run; the same prompts are sent again on purpose, to
     # reuse again (not to be computed as recurrences, core/recurrence), and blended at ratio 1 (where
     # SGLang's own forward would be cheaper: core/cost)
-    with ServerProcess(["--max-total-tokens", str(POOL), "--context-length", "1024", "--tokendance-recompute-ratio",
-                        "1.0", "--tokendance-check-layer", "2", "--no-tokendance-exact-recurrence",
-                        "--no-tokendance-cost-check"],
+    with ServerProcess(["--model-path", tiny_llama, "--max-total-tokens", str(POOL), "--context-length", "1024",
+                        "--tokendance-recompute-ratio", "1.0", "--tokendance-check-layer", "2",
+                        "--no-tokendance-exact-recurrence", "--no-tokendance-cost-check"],
                        env=RETRACT_EVERY_30_STEPS) as proc:
         for author in range(2):  # every block cached, in two authors' contexts
             post(proc.url, SEP.join([f"You are author {author}.", *BLOCKS[author * 4:author * 4 + 4], " Go:"]), 1)
@@ -125,14 +126,14 @@ def group_processes(pgid: int) -> list[tuple[int, str]]:
     return found
 
 
-def test_sigterm_during_a_round_drains_it_and_ends_every_process(smollm2_path):
+def test_sigterm_during_a_round_drains_it_and_ends_every_process(tiny_llama):
     """SGLang's graceful shutdown: on SIGTERM it refuses new work, lets the requests in flight
     finish (the whole round streams to the end), then stops every process it started."""
     import os
     import signal
 
-    tokens = 48
-    server = ServerProcess([]).wait_ready()
+    tokens = 160  # still decoding when the signal comes, even on a tiny model
+    server = ServerProcess(["--model-path", tiny_llama]).wait_ready()
     try:
         post(server.url, agent_prompt(0, 2), 1)  # cache blocks: the round below reuses them
         results: list = []

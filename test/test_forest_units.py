@@ -134,10 +134,13 @@ def test_a_segment_split_over_chunks_is_reused_piecewise_and_counted_once():
     assert state.first_reused == NOT_REUSED
     first = state.plan_chunk(table, 0, 32)  # chunk [0, 32): the head of "a"
     assert [(r.start, r.end, r.segment_offset) for r in first.runs] == [(10, 32, 0)]
-    assert first.extend_runs()[0] == (10, 32, 0, state.key("a")) and first.hits == 1 and state.first_reused == 10
+    assert first.request_row(torch.arange(32)).reused[0] == (10, 32, 0, state.key("a"))
+    assert first.hits == 1 and state.first_reused == 10
     second = state.plan_chunk(table, 32, 64)  # the rest of "a" (from its token 22), the head of "b"
     assert [(r.start, r.end, r.segment_offset) for r in second.runs] == [(32, 50, 22)]
-    assert second.extend_runs()[0] == (0, 18, 22, state.key("a"))
+    row = second.request_row(torch.arange(64))
+    assert (row.prefix_len, row.num_tokens, row.reused[0]) == (32, 32, (0, 18, 22, state.key("a")))
+    assert row.max_approximate is None
     assert (second.hits, second.misses) == (0, 1)  # "a" was counted in the first chunk; "b" misses
     third = state.plan_chunk(table, 64, 120)
     assert third.runs == [] and (third.hits, third.misses) == (0, 0)
@@ -148,6 +151,25 @@ def test_a_segment_split_over_chunks_is_reused_piecewise_and_counted_once():
     assert (counts.reused_tokens, counts.recomputed_tokens, counts.computed_tokens) == (35, 5, 85)
     assert counts.mirror_diff_tokens == 5  # own slots at reused positions: 40 positions per 5 own slots
     assert req.customized_info[REUSE_INFO_KEY] == [{**vars(counts), "mirror_compression": 40 / 5}]
+
+
+def test_a_fidelity_budget_is_spent_over_a_requests_chunks():
+    """Each chunk gets what the earlier chunks' approximate tokens (reused, not recomputed) left."""
+    from sglang_tokendance.srt.reuse import RequestReuse
+
+    spans = [SegmentSpan(10, 50, "a"), SegmentSpan(60, 100, "b")]
+    req = fake_req(spans, prompt_len=120)
+    state = RequestReuse.of(req, options_of(req), can_reuse=True)
+    table = SegmentTable()
+    for span in spans:
+        table.insert(state.key(span.hash), torch.arange(span.start, span.end), list(range(span.start, span.end)))
+    first = state.plan_chunk(table, 0, 50, max_approximate=30)
+    assert first.reused_tokens == 40 and first.request_row(torch.arange(50)).max_approximate == 30
+    state.record_recomputed(first, 12, 12)  # 28 stayed approximate
+    second = state.plan_chunk(table, 50, 120, max_approximate=30)
+    assert second.max_approximate == 2 and second.request_row(torch.arange(120)).max_approximate == 2
+    state.record_recomputed(second, 38, 38)
+    assert state.plan_chunk(table, 120, 120, max_approximate=30).max_approximate == 0  # spent: never negative
 
 
 def test_blocks_recurring_at_the_exact_frontier_are_computed_and_counted():

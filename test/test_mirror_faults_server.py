@@ -1,11 +1,11 @@
-"""Zero-copy Master-Mirror storage inside a real server (SmolLM2, --tokendance-storage mirror,
-a KV pool far below the working set): live rows read the Masters' slots in place and own only
-their recomputed tokens; a pinned Master survives eviction pressure; aborts mid-prefill and
-mid-decode and /flush_cache leave no slot behind; an agent's kept Mirror continues its decode
-exactly; more positions live than the pool has slots;
-and, on a second server under SGLang's retraction test switch, Mirrors retracted mid-decode
-release their Masters and re-run to the clean answer (conftest's leak invariant after every
-test: each slot counted once, tree and Masters sharing slots)."""
+"""Zero-copy Master-Mirror storage inside a real server (a tiny random Llama: the model does not
+matter; --tokendance-storage mirror, a KV pool far below the working set): live rows read the
+Masters' slots in place and own only their recomputed tokens; a pinned Master survives eviction
+pressure; aborts mid-prefill and mid-decode and /flush_cache leave no slot behind; an agent's
+kept Mirror continues its decode exactly; more positions live than the pool has slots; and, on
+a second server under SGLang's retraction test switch, Mirrors retracted mid-decode release
+their Masters and re-run to the clean answer (conftest's leak invariant after every test: each
+slot counted once, tree and Masters sharing slots)."""
 
 from __future__ import annotations
 
@@ -33,13 +33,13 @@ def cache_every_block(url: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_path):
+def server(tiny_llama):
     # an optimistic admission (--schedule-conservativeness) lets decodes outgrow the pool;
     # SGLang checks its pool accounting after every step (each slot counted once) and stops on a mismatch;
     # prompts are sent again on purpose, to read Masters again (not to be computed as recurrences)
-    with ServerProcess(["--max-total-tokens", str(POOL), "--context-length", "1024", "--schedule-conservativeness",
-                        "0.05", "--tokendance-storage", "mirror", "--tokendance-check-layer", "2", "--enable-metrics",
-                        "--no-tokendance-exact-recurrence"],
+    with ServerProcess(["--model-path", tiny_llama, "--max-total-tokens", str(POOL), "--context-length", "1024",
+                        "--schedule-conservativeness", "0.05", "--tokendance-storage", "mirror",
+                        "--tokendance-check-layer", "2", "--enable-metrics", "--no-tokendance-exact-recurrence"],
                        env={"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1"}) as proc:
         cache_every_block(proc.url)
         assert forest_stats(proc.url)["segment_nodes"] == len(BLOCKS)
@@ -120,8 +120,8 @@ class Conversation:
     """An agent's prompt (agent_prompt's pieces, the last one as token ids) that it extends
     with what it decoded, naming the agent so its finished rows are kept (`tokendance.agent`)."""
 
-    def __init__(self, url: str, smollm2_path: str, agent: int, name: str):
-        tokenizer = tokenizer_of(smollm2_path)
+    def __init__(self, url: str, model_path: str, agent: int, name: str):
+        tokenizer = tokenizer_of(model_path)
         *self.context, reply = agent_prompt(agent, 3).split(SEP)
         self.reply_ids = tokenizer.encode(reply, add_special_tokens=False)
         self.exact_len = len(tokenizer.encode(self.context[0]))  # the private text before the first block
@@ -135,13 +135,13 @@ class Conversation:
         return response.json()
 
 
-def test_an_agents_kept_mirror_continues_exactly_where_its_decode_left_off(server, smollm2_path):
+def test_an_agents_kept_mirror_continues_exactly_where_its_decode_left_off(server, tiny_llama):
     """A finished row is kept for its agent (`tokendance.agent`): a next prompt that extends it
     with the first tokens the row decoded matches the whole row as a prefix and decodes the
     very tokens the row decoded next (the same KV, approximate blocks included); another
     agent's identical prompt matches only the exact prefix the shared tree holds."""
     cache_every_block(server)
-    talk = Conversation(server, smollm2_path, 3, "agent-3")
+    talk = Conversation(server, tiny_llama, 3, "agent-3")
     kept_before = forest_stats(server)["agent_rows_kept"]
     first = talk.ask([], 24)
     prompt_len, decoded = first["meta_info"]["prompt_tokens"], first["output_ids"]
@@ -198,12 +198,13 @@ def test_flush_waits_for_live_mirrors_then_frees_every_slot(server):
 
 
 @pytest.fixture(scope="module")
-def retracting_server(smollm2_path):
+def retracting_server(tiny_llama):
     """Mirror storage at the default recompute ratio (rows read Masters in place) under SGLang's
     retraction test switch; the pool holds every block, so a re-run reads the same Masters (and a
     prompt sent again reads them again: no recurrence computed exactly)."""
-    with ServerProcess(["--max-total-tokens", "8192", "--context-length", "1024", "--tokendance-storage", "mirror",
-                        "--tokendance-check-layer", "2", "--no-tokendance-exact-recurrence"],
+    with ServerProcess(["--model-path", tiny_llama, "--max-total-tokens", "8192", "--context-length", "1024",
+                        "--tokendance-storage", "mirror", "--tokendance-check-layer", "2",
+                        "--no-tokendance-exact-recurrence"],
                        env={**RETRACT_EVERY_30_STEPS, "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1"}) as proc:
         cache_every_block(proc.url)
         yield proc.url
@@ -224,10 +225,10 @@ def test_retracted_mirrors_release_their_masters_and_rerun_to_the_clean_answer(r
     assert forest_stats(url)["segments_evicted"] == 0
 
 
-def test_retracted_continuations_of_kept_mirrors_rerun_from_the_same_kv(retracting_server, smollm2_path):
+def test_retracted_continuations_of_kept_mirrors_rerun_from_the_same_kv(retracting_server, tiny_llama):
     """Agents continuing their kept rows, retracted mid-decode (the kept rows locked, then
     released, then matched again): each decodes what its kept row decoded next."""
-    talks = [Conversation(retracting_server, smollm2_path, agent, f"retracted-{agent}") for agent in range(4)]
+    talks = [Conversation(retracting_server, tiny_llama, agent, f"retracted-{agent}") for agent in range(4)]
     first = [talk.ask([], 48) for talk in talks]  # one at a time: never retracted
     with ThreadPoolExecutor(len(talks)) as pool:
         again = list(pool.map(lambda pair: pair[0].ask(pair[1]["output_ids"][:8], 40), zip(talks, first)))

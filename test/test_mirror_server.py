@@ -10,7 +10,6 @@ import requests
 
 from conftest import assert_no_leak, generate
 from sglang_tokendance.bench.server_process import ServerProcess
-from sglang_tokendance.bench.tiny_models import write_tiny_model
 from test_blend_server import AUTHOR, READER, output_logprobs, with_logprobs
 
 pytestmark = pytest.mark.slow
@@ -23,11 +22,6 @@ PLAIN = [  # no separators; the 2nd and 4th hit the 1st's radix prefix; the last
     "The history of the town of Oakvale",
     " ".join(["The mill ground rye and wheat for every farm along the river, year after year."] * 4),
 ]
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory, smollm2_path):
-    return str(write_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama"))
 
 
 def serve(model: str, *argv: str):

@@ -145,14 +145,20 @@ def test_request_options_are_validated_and_carried_as_one_object():
                                                                                "round_size": 2}
     assert client({"round": "r"}) == {"segments": [], "round": "r"} and client(None) == {"segments": []}
     assert client({"agent": "alice"}, True) == {"segments": [], "agent": "alice"}
+    assert client({"max_approximate_tokens": 0}) == {"segments": [], "max_approximate_tokens": 0}
+    for budget in (-1, 2.5, "10", True):
+        with pytest.raises(SegmentError, match="max_approximate_tokens. must be an integer >= 0"):
+            RequestOptions.from_client({"max_approximate_tokens": budget}, False)
     for options, message in BAD_ROUNDS:
         with pytest.raises(SegmentError, match=message.replace("`", ".")):
             RequestOptions.from_client(options, True)
     with pytest.raises(SegmentError, match="needs --tokendance-storage mirror"):
         RequestOptions.from_client({"agent": "alice"}, False)
-    carried = RequestOptions.from_client({"round": "r", "round_size": 3, "register_output": True, "agent": "a"}, True)
+    carried = RequestOptions.from_client({"round": "r", "round_size": 3, "register_output": True, "agent": "a",
+                                          "max_approximate_tokens": 40}, True)
     assert RequestOptions.from_payload(carried.payload()) == carried  # the scheduler reads what was sent
     assert carried.round == RoundTag("r", 3) and carried.register_output and carried.agent == "a"
+    assert carried.max_approximate_tokens == 40
     cache, req = RequestOptionsCache(), Req(rid="x", sampling_params=SimpleNamespace(
         custom_params={CARRIER_KEY: json.dumps(carried.payload())}))
     assert cache(req) is cache(req) == carried  # parsed once per request

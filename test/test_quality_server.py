@@ -110,6 +110,9 @@ def test_labels_flags_and_cases():
     assert flags["--max-total-tokens"] == str(CONFIG.max_total_tokens)
     assert (flags["--tokendance-selection"], flags["--tokendance-recompute-ratio"], flags["--tokendance-check-layer"],
             flags["--tokendance-screen-layer"]) == ("attention-kv", "0.3", "2", "1")
+    assert "--tokendance-max-approximate-tokens" not in flags
+    budgeted = server_argv(replace(DEFAULT, budget=200), CONFIG, 0)
+    assert budgeted[-2:] == ["--tokendance-max-approximate-tokens", "200"]
     assert server_argv(None, CONFIG, 0)[2:] == ["--disable-tokendance"]
     plain = server_argv(Setting(PLAIN), replace(CONFIG, options=replace(CONFIG.options, sparse_writeback=False)), 0)
     assert plain[2:4] == ["--tokendance-recompute-ratio", "0.0"] and "--tokendance-selection" not in plain

@@ -46,6 +46,8 @@ def test_blend_options_parse_and_validate():
     group = parse(["--tokendance-group-selection", "aligned", "--tokendance-group-probe", "2"]).blend_options()
     assert (group.group_selection, group.group_probe) == ("aligned", 2)
     assert parse([]).blend_options().group_selection == "per-request"
+    assert parse([]).approximate_budget is None
+    assert parse(["--tokendance-max-approximate-tokens", "0"]).approximate_budget == 0
     for flag, value, message in [("--tokendance-recompute-ratio", "1.5", "in \\[0, 1\\]"),
                                  ("--tokendance-check-layer", "0", ">= 1"),
                                  ("--tokendance-selection", "best", "one of cacheblend-k"),
@@ -59,6 +61,7 @@ def test_blend_options_parse_and_validate():
                                  ("--tokendance-round-min-shared", "-2", ">= 0"),
                                  ("--tokendance-group-selection", "best", "one of per-request, aligned"),
                                  ("--tokendance-group-probe", "-1", ">= 0"),
+                                 ("--tokendance-max-approximate-tokens", "-2", ">= -1"),
                                  ("--tokendance-group-probe", "1", "needs --tokendance-group-selection aligned")]:
         with pytest.raises(TokenDanceArgsError, match=message) as err:
             parse([flag, value])

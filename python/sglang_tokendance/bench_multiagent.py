@@ -33,6 +33,7 @@ from sglang_tokendance.bench import report
 from sglang_tokendance.bench.machine import idle_check
 from sglang_tokendance.bench.multiagent import MODES, Mode, RequestRecord, RunResult, run_load
 from sglang_tokendance.core.blend import BlendOptions
+from sglang_tokendance.core.cost import PrefillCost
 from sglang_tokendance.bench.workloads import PRESETS, WorkloadConfig
 
 DEFAULT_OUTPUT = Path("benchmark/results/multiagent.jsonl")
@@ -304,24 +305,17 @@ PROMPT_BLOCK_WORDS = 480  # --prefill-only: N blocks of 480/N words, prompts of 
 
 
 def token_layers(record: RequestRecord, options: BlendOptions | None, num_layers: int) -> int:
-    """Token-layers the forward computed for one request's prompt past its radix prefix: every
-    fresh token through every layer; with a blended prefill (core/blend.py) also every reused
-    token it probed (layers 0..s, then those passing the screen on to c), the kept ones through
-    the rest, and the kept ones among those it adopted from its round group (shared probe)
-    through layers 0..c too (token granularity, no head tokens; the adopted kept ones taken in
-    proportion to the adopted share)."""
+    """Token-layers the forward computed for one request's prompt past its radix prefix: the
+    blended prefill's stages (core/cost) with the reused tokens it really recomputed and adopted
+    (token granularity, no head tokens; the adopted kept ones taken in proportion to the adopted
+    share); without a blended prefill, every fresh token through every layer."""
     reused = record.reused_tokens + record.recomputed_tokens
-    fresh = record.prompt_tokens - record.cached_tokens - reused
-    if options is None or options.recompute_ratio <= 0 or not reused:
-        return fresh * num_layers
-    c, probed = options.check_layer, reused - record.adopted_tokens
-    if options.screened:
-        s, passed = options.screen_layer, round(min(1.0, options.screen_factor * options.recompute_ratio) * probed)
-        probe = probed * (s + 1) + passed * (c - s)
-    else:
-        probe = probed * (c + 1)
-    caught_up = round(record.recomputed_tokens * record.adopted_tokens / reused) * (c + 1)
-    return fresh * num_layers + probe + caught_up + record.recomputed_tokens * (num_layers - 1 - c)
+    tokens = record.prompt_tokens - record.cached_tokens
+    if options is None:
+        return (tokens - reused) * num_layers
+    stages = PrefillCost(num_layers, options, attention_mass=False).stages(
+        tokens, reused, kept=record.recomputed_tokens, adopted=record.adopted_tokens)
+    return sum(stage.layers * stage.tokens for stage in stages)
 
 
 def model_layers(model_path: str | None) -> int:

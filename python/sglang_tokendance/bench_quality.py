@@ -27,6 +27,13 @@ sglang_tokendance/bench/quality.py): each prompt prefilled whole and in chunks o
 SGLang's chunked prefill forwards it, at plain reuse and the default rule at --ratios; results
 go to benchmark/results/quality_chunked.{jsonl,md,png} by default.
 
+With --fidelity it measures how fidelity holds as N grows (see measure_fidelity in
+sglang_tokendance/bench/quality.py): every --fidelity-settings setting on each --presets workload
+and --seeds seed at N = 4, 10 and 16 (or --num-agents), with the decode-step KL over content
+steps (the full model's entropy above 1 nat) as the headline beside first-token KL and work, top-1
+agreement where the full model has no near tie, and the KV deviation by block index; results go
+to benchmark/results/quality_fidelity.{jsonl,md,png} by default.
+
 With --server it measures the same prompts through real servers instead: TokenDance servers
 at --server-settings vs one with --disable-tokendance, compared on top-logprobs beside the
 same truncated measure computed in-process (see sglang_tokendance/bench/quality_server.py);
@@ -45,9 +52,11 @@ import torch
 
 from sglang_tokendance.bench import quality_server, report
 from sglang_tokendance.bench.quality import (MASTER_CHOICES, PLAIN, QualityConfig, QualityRunner, Setting,
-                                             decode_kl_by_step, default_setting, measure_chunked, measure_divergence,
-                                             measure_groups, measure_master_choice, measure_prompts, prefill_timing,
-                                             sample_dicts, summarize)
+                                             decode_kl_by_step, default_setting, deviation_by_block, measure_chunked,
+                                             measure_divergence, measure_fidelity, measure_groups,
+                                             measure_master_choice, measure_prompts, prefill_timing, sample_dicts,
+                                             summarize)
+from sglang_tokendance.bench.workloads import PRESETS
 from sglang_tokendance.bench.quality_server import ServerConfig, Workload
 from sglang_tokendance.core.blend import BlendOptions
 from sglang_tokendance.core.selection import GRANULARITIES, RULES
@@ -58,6 +67,7 @@ DEFAULT_SERVER_OUTPUT = Path("benchmark/results/quality_server.jsonl")
 DEFAULT_GROUPS_OUTPUT = Path("benchmark/results/quality_groups.jsonl")
 DEFAULT_MASTER_OUTPUT = Path("benchmark/results/quality_master_choice.jsonl")
 DEFAULT_CHUNKED_OUTPUT = Path("benchmark/results/quality_chunked.jsonl")
+DEFAULT_FIDELITY_OUTPUT = Path("benchmark/results/quality_fidelity.jsonl")
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -90,9 +100,25 @@ def _workloads(text: str) -> tuple[Workload, ...]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _presets(text: str) -> tuple[str, ...]:
+    names = tuple(x for x in text.split(",") if x)
+    unknown = [n for n in names if n not in PRESETS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown preset {(unknown or [text])[0]!r}; choose from {', '.join(PRESETS)}")
+    return names
+
+
 def server_default_setting() -> Setting:
     d = TokenDanceArgs()
     return Setting(d.selection, d.recompute_ratio, d.check_layer, d.screen_layer)
+
+
+def fidelity_settings() -> tuple[Setting, ...]:
+    """Plain reuse, the server's default, the same under fidelity budgets, and CacheBlend's K+V
+    deviation at a deeper check layer (screened): the candidates for fidelity as N grows."""
+    default = server_default_setting()
+    return (Setting(PLAIN), default, replace(default, budget=200), replace(default, budget=100),
+            Setting("cacheblend-kv", default.ratio, 8, default.screen_layer))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -100,7 +126,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m sglang_tokendance.bench_quality", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", default=None, help="default: the prepared SmolLM2-135M-Instruct")
-    p.add_argument("--num-agents", type=_ints, default=(4, 10), help="comma-separated N values")
+    p.add_argument("--num-agents", type=_ints, default=None,
+                   help="comma-separated N values (default: 4,10; with --fidelity 4,10,16)")
     p.add_argument("--prompts-per-n", type=int, default=4, help="agent prompts measured per N")
     p.add_argument("--rules", type=_names, default=tuple(RULES), help="selection rules to compare")
     p.add_argument("--ratios", type=_floats, default=(0.15, 0.3, 0.5, 0.8), help="recompute ratios")
@@ -141,6 +168,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     chunked.add_argument("--chunked", type=_ints, default=(),
                          help="measure each prompt prefilled whole and in chunks of these sizes (comma-separated), "
                               "at plain reuse and the default rule at every --ratios, instead of the sweep")
+    fidelity = p.add_argument_group("fidelity mode")
+    fidelity.add_argument("--fidelity", action="store_true",
+                          help="measure fidelity as N grows (content-step decode KL) on several workloads and seeds "
+                               "instead of the sweep")
+    fidelity.add_argument("--presets", type=_presets, default=("generative_agents", "debate"),
+                          help="workload presets (comma-separated)")
+    fidelity.add_argument("--seeds", type=_ints, default=(0, 1), help="workload seeds (comma-separated)")
+    fidelity.add_argument("--fidelity-settings", type=_settings, default=fidelity_settings(),
+                          help="';'-separated settings (default: plain; the server's default; the same with a "
+                               "fidelity budget of 200 and 100 approximate tokens (m=); CacheBlend's K+V rule at "
+                               "check layer 8, screened)")
     server = p.add_argument_group("server mode")
     server.add_argument("--server", action="store_true",
                         help="measure through TokenDance servers vs a --disable-tokendance one instead of the sweep")
@@ -164,8 +202,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     server.add_argument("--server-max-total-tokens", type=int, default=8192,
                         help="--max-total-tokens of each started server (the prompts are short; keeps memory low)")
     args = p.parse_args(argv)
-    if args.server + args.groups + args.master_choice + bool(args.chunked) > 1:
-        p.error("choose one of --server, --groups, --master-choice and --chunked")
+    if args.server + args.groups + args.master_choice + bool(args.chunked) + args.fidelity > 1:
+        p.error("choose one of --server, --groups, --master-choice, --chunked and --fidelity")
+    args.num_agents = args.num_agents or ((4, 10, 16) if args.fidelity else (4, 10))
     if any(size < 1 for size in args.chunked):
         p.error(f"--chunked sizes must be positive, got {args.chunked}")
     if not 1 <= args.decode_steps <= 64:
@@ -210,12 +249,13 @@ def main(argv: list[str] | None = None) -> None:
         args.model_path = str(prepared_default_model())
     runner = QualityRunner(args.model_path)
     command = report.command_line("sglang_tokendance.bench_quality", argv)
-    mode = next((m for m in ("server", "groups", "master_choice", "chunked") if getattr(args, m)), "sweep")
+    modes = ("server", "groups", "master_choice", "chunked", "fidelity")
+    mode = next((m for m in modes if getattr(args, m)), "sweep")
     out = args.output_file or {"server": DEFAULT_SERVER_OUTPUT, "groups": DEFAULT_GROUPS_OUTPUT,
                                "master_choice": DEFAULT_MASTER_OUTPUT, "chunked": DEFAULT_CHUNKED_OUTPUT,
-                               "sweep": DEFAULT_OUTPUT}[mode]
+                               "fidelity": DEFAULT_FIDELITY_OUTPUT, "sweep": DEFAULT_OUTPUT}[mode]
     {"server": run_server, "groups": run_groups, "master_choice": run_master_choice, "chunked": run_chunked,
-     "sweep": run_sweep}[mode](args, runner, out, command)
+     "fidelity": run_fidelity, "sweep": run_sweep}[mode](args, runner, out, command)
     print(out.with_suffix(".md").read_text())
 
 
@@ -361,6 +401,55 @@ def run_chunked(args: argparse.Namespace, runner: QualityRunner, out: Path, comm
             for r in versus if r["agents"] == n}, logy=True) for n in config.num_agents]
         report.plot_panels(out.with_suffix(".png"), f"Decode-step KL (first {config.decode_steps} steps) by chunk size",
                            panels)
+
+
+def run_fidelity(args: argparse.Namespace, runner: QualityRunner, out: Path, command: str) -> None:
+    """Fidelity mode: JSONL, Markdown (means over seeds per workload and N; every seed; KV
+    deviation by block), plot (content-step KL and work vs N per workload)."""
+    config = config_from(args)
+    samples = measure_fidelity(runner, config, args.presets, args.seeds, args.fidelity_settings)
+    rows = summarize(samples)
+    pooled = summarize(replace(s, seed=-1) for s in samples)  # every seed's agents together
+    deviation = [row for setting in dict.fromkeys(s.label for s in args.fidelity_settings)
+                 for row in deviation_by_block(samples, setting)]
+    report.write_jsonl(out, [{"kind": "fidelity_sample", **s} for s in sample_dicts(samples)]
+                       + [{"kind": "fidelity_summary", **r} for r in rows]
+                       + [{"kind": "fidelity_pooled", **r} for r in pooled]
+                       + [{"kind": "fidelity_deviation", **d} for d in deviation])
+    columns = ["agents", "setting", "approximate_tokens", "work", "content_kl", "decode_kl", "first_kl",
+               "decisive_top1", "common_prefix", "content_steps"]
+    sections = [("Metrics", METRICS.format(steps=config.decode_steps) + FIDELITY_METRICS)]
+    sections += [(f"{preset}, seeds {', '.join(map(str, args.seeds))} pooled ({config.prompts_per_n} agents per N "
+                  f"and seed)", report.markdown_table([r for r in pooled if r["preset"] == preset], columns))
+                 for preset in args.presets]
+    sections += [(f"{preset}, seed {seed}", report.markdown_table(
+        [r for r in rows if (r["preset"], r["seed"]) == (preset, seed)], columns))
+        for preset in args.presets for seed in args.seeds]
+    width = max((len(d) - 3 for d in deviation), default=0)
+    sections.append(("KV deviation from the full prefill by block index (relative L2 over all layers; mean over "
+                     "seeds and agents)", report.markdown_table(deviation, ["preset", "agents", "setting",
+                                                                            *[f"block {j}" for j in range(width)]])))
+    report.write_markdown(out.with_suffix(".md"), "Fidelity as N grows: blended vs full prefill (SmolLM2-135M)",
+                          command, sections)
+    if not args.no_plot:
+        panels = [report.Panel(f"{preset}: {metric}", "agents (N)", label, {
+            setting: ([r["agents"] for r in pooled if (r["preset"], r["setting"]) == (preset, setting)],
+                      [r[metric] for r in pooled if (r["preset"], r["setting"]) == (preset, setting)])
+            for setting in dict.fromkeys(s.label for s in args.fidelity_settings)}, logy=metric == "content_kl")
+            for preset in args.presets
+            for metric, label in (("content_kl", "content-step decode KL (log)"), ("work", "work / full prefill"))]
+        report.plot_panels(out.with_suffix(".png"), "Fidelity and work as N grows", panels)
+
+
+FIDELITY_METRICS = """
+
+Fidelity: `content_kl` (the headline): the decode-step KL over content steps only, those where
+the full prefill's next-token entropy exceeds 1 nat (a copied name or a template token is
+near-certain and hides the approximation; `content_steps` counts them). `decisive_top1`: top-1
+agreement over the decode steps where the full model's top two tokens are at least 0.5 nat
+apart (a near tie's winner is a coin toss). `approximate_tokens`: reused tokens that kept their
+cached KV (mean per prompt). `m=M`: a fidelity budget (--tokendance-max-approximate-tokens M):
+at most M approximate tokens per request, more recomputed where the ratio would leave more."""
 
 
 CHUNKED_METRICS = """

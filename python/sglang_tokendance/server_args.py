@@ -97,6 +97,12 @@ class TokenDanceArgs:
         "request's prompt and registered answer is computed exactly throughout (--no-tokendance-exact-recurrence: "
         "every cached block is reused approximately, wherever it sits)."
     )
+    max_approximate_tokens: int = _option(
+        -1, "Fidelity budget: at most this many of a request's reused tokens keep their cached (approximate) KV; "
+        "where the recompute ratio would leave more, more are recomputed (a prompt with more reused blocks -- a "
+        "larger round -- then recomputes a larger share, and its decode error stays bounded). -1: no bound, the "
+        "ratio alone decides; 0: every reused token is recomputed."
+    )
     cost_check: bool = _option(
         True, "Blend a prefill chunk only where its estimated work (probe, kept and fresh tokens, attention, the "
         "restore) is below SGLang's own forward of the same chunk; elsewhere its matched blocks are computed "
@@ -211,6 +217,11 @@ class TokenDanceArgs:
         """K un-rotated in the KV pool, served by the tokendance attention backend."""
         return self.storage == "mirror"
 
+    @property
+    def approximate_budget(self) -> int | None:
+        """--tokendance-max-approximate-tokens, None for no bound."""
+        return None if self.max_approximate_tokens < 0 else self.max_approximate_tokens
+
     def blend_options(self) -> BlendOptions:
         """The blended prefill's options (core/blend.py) from these flags."""
         return BlendOptions(recompute_ratio=self.recompute_ratio, check_layer=self.check_layer,
@@ -311,6 +322,7 @@ _TYPES = {"bool": bool, "int": int, "float": float, "str": str}
 _RANGES = {  # field -> (lowest, highest or None) allowed value
     "min_segment_tokens": (1, None), "max_segments": (1, None), "check_layer": (1, None), "block_size": (1, None),
     "block_head_tokens": (0, None), "screen_layer": (0, None), "screen_factor": (1, None), "recompute_ratio": (0, 1),
+    "max_approximate_tokens": (-1, None),
     "round_window_ms": (0, 60_000), "round_min_shared": (0, None), "group_probe": (0, None),
 }
 

@@ -61,6 +61,7 @@ class Setting:
     screen_layer: int = 0  # 0: no screen
     group: str = "per-request"  # group selection (core/blend GROUP_SELECTIONS)
     probe: int = 0  # shared probe: members per shared segment that probe it (0: all)
+    budget: int | None = None  # fidelity budget: most reused tokens left approximate (None: no bound)
 
     @property
     def label(self) -> str:
@@ -69,7 +70,8 @@ class Setting:
         screen = f" s={self.screen_layer}" if self.screen_layer else ""
         group = f" g={self.group}" if self.group != "per-request" else ""
         probe = f" k={self.probe}" if self.probe else ""
-        return f"{self.rule} r={self.ratio:g} c={self.check_layer}{screen}{group}{probe}"
+        budget = f" m={self.budget}" if self.budget is not None else ""
+        return f"{self.rule} r={self.ratio:g} c={self.check_layer}{screen}{group}{probe}{budget}"
 
     def options(self, base: BlendOptions) -> BlendOptions:
         return replace(base, recompute_ratio=self.ratio, check_layer=self.check_layer, screen_layer=self.screen_layer,
@@ -77,16 +79,18 @@ class Setting:
 
     @classmethod
     def parse(cls, label: str) -> "Setting":
-        """The setting a `label` names ("plain", "attention-kv r=0.3 c=5 s=1"): for command lines."""
+        """The setting a `label` names ("plain", "attention-kv r=0.3 c=5 s=1 m=100"): for command lines."""
         rule, *fields = label.split()
         if rule in (PLAIN, FULL) and not fields:
             return cls(rule)
         values = dict(f.split("=", 1) if "=" in f else (f, "") for f in fields)
-        if rule not in RULES or not {"r", "c"} <= set(values) <= {"r", "c", "s", "g", "k"}:
+        if rule not in RULES or not {"r", "c"} <= set(values) <= {"r", "c", "s", "g", "k", "m"}:
             raise ValueError(f"bad setting {label!r}: write 'plain' or 'RULE r=RATIO c=CHECK_LAYER [s=SCREEN_LAYER] "
-                             f"[g=GROUP_SELECTION] [k=PROBERS]' with RULE one of {', '.join(RULES)}")
+                             f"[g=GROUP_SELECTION] [k=PROBERS] [m=MAX_APPROXIMATE_TOKENS]' with RULE one of "
+                             f"{', '.join(RULES)}")
         return cls(rule, float(values["r"]), int(values["c"]), int(values.get("s", 0)),
-                   values.get("g", "per-request"), int(values.get("k", 0)))
+                   values.get("g", "per-request"), int(values.get("k", 0)),
+                   int(values["m"]) if "m" in values else None)
 
 
 @dataclass(frozen=True)
@@ -139,6 +143,12 @@ class Sample:
     adopted_tokens: int = 0  # reused tokens that skipped the probe (shared probe)
     master: str = "author"  # whose copy of each segment was read (MASTER_CHOICES)
     chunk: int = 0  # chunked-prefill size the prompt was prefilled in (0: one forward)
+    content_kl: float | None = None  # mean decode-step KL over content steps (CONTENT_ENTROPY; None: none)
+    content_steps: int = 0
+    decisive_top1: float | None = None  # top-1 agreement over decode steps without a near tie (NEAR_TIE)
+    block_deviation: list[float] = field(default_factory=list)  # per marked block, in prompt order
+    preset: str = ""  # the workload (bench/workloads PRESETS)
+    seed: int = 0
 
 
 SegmentKV = tuple[torch.Tensor, torch.Tensor]  # a cached segment: K un-rotated, V [layers, n, kv_heads, d]
@@ -250,9 +260,9 @@ class QualityRunner:
 
     @torch.no_grad()
     def prefill(self, ids: list[int], kv: DenseKV, reused: list[tuple[int, int]], options: BlendOptions,
-                rule=None):
+                rule=None, max_approximate: int | None = None):
         t = torch.tensor(ids)
-        row = RequestRow(0, len(ids), torch.arange(kv.k.shape[1]), reused=reused)
+        row = RequestRow(0, len(ids), torch.arange(kv.k.shape[1]), reused=reused, max_approximate=max_approximate)
         hidden, stats = blended_prefill(self.model, kv, t, torch.arange(len(ids)), [row], options, rule)
         return self.model.logits(hidden[-1]), stats
 
@@ -309,7 +319,7 @@ class QualityRunner:
         runs = [] if setting.rule == FULL else store.place(prompt, kv)
         rule = None if setting.rule in (PLAIN, FULL) else rule_named(setting.rule)
         logits, stats = self.prefill(prompt.input_ids, kv, runs, setting.options(options) if runs else BlendOptions(),
-                                     rule)
+                                     rule, setting.budget)
         return logits, kv, stats, len(runs)
 
     @torch.no_grad()
@@ -325,13 +335,18 @@ class QualityRunner:
         for start in range(0, len(ids), chunk):
             end = min(len(ids), start + chunk)
             runs = store.chunk_runs(prompt, start, end)
-            row = RequestRow(start, end - start, torch.arange(end), reused=runs)
+            left = None if setting.budget is None else max(0, setting.budget - total.reused_tokens + total.kept_tokens)
+            row = RequestRow(start, end - start, torch.arange(end), reused=runs, max_approximate=left)
             hidden, stats = blended_prefill(self.model, kv, torch.tensor(ids[start:end]), torch.arange(start, end),
                                             [row], setting.options(options) if runs else BlendOptions(), rule)
             total = BlendStats(total.token_layers + stats.token_layers,
                                total.full_token_layers + stats.full_token_layers,
                                total.reused_tokens + stats.reused_tokens, total.kept_tokens + stats.kept_tokens)
         return self.model.logits(hidden[-1]), kv, total
+
+
+CONTENT_ENTROPY = 1.0  # nats: a decode step where the full model is this unsure is a content step
+NEAR_TIE = 0.5  # nats between the full model's top two tokens: closer is a near tie, no verdict on agreement
 
 
 def kl_rows(full: torch.Tensor, blended: torch.Tensor) -> torch.Tensor:
@@ -365,26 +380,50 @@ def oracle_scores(full_kv: DenseKV, reused_kv: DenseKV, runs: list[tuple[int, in
     return (dev / dev.mean(1, keepdim=True).clamp_min(1e-12)).sum(0)
 
 
+def entropy_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy (nats) of each row's next-token distribution."""
+    logp = logits.log_softmax(-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def top_margin(logits: torch.Tensor) -> torch.Tensor:
+    """Per row, the log-probability gap between the top two tokens (small: a near tie)."""
+    top = logits.log_softmax(-1).topk(2, dim=-1).values
+    return top[..., 0] - top[..., 1]
+
+
+def block_deviation(full: DenseKV, blended: DenseKV, prompt: SegmentedPrompt) -> list[float]:
+    """Per marked block of `prompt` (prompt order), the relative L2 deviation of its KV from the
+    full prefill's, K and V over every layer: where in the prompt the approximation lives."""
+    deviations = []
+    for span in prompt.spans:
+        at = slice(span.start, span.end)
+        diff = (full.k[:, at] - blended.k[:, at]).pow(2).sum() + (full.v[:, at] - blended.v[:, at]).pow(2).sum()
+        norm = full.k[:, at].pow(2).sum() + full.v[:, at].pow(2).sum()
+        deviations.append(float((diff / norm.clamp_min(1e-30)).sqrt()))
+    return deviations
+
+
 @torch.no_grad()
 def evaluate_prompt(runner: QualityRunner, prompt: SegmentedPrompt, store: SegmentStore, config: QualityConfig,
                     agents: int, agent: int) -> list[Sample]:
     """Every setting of `config` on one prompt (probe layers shared per check layer)."""
     ids = prompt.input_ids
     room = room_for(prompt, config)
-    ref, full_kv = reference_of(runner, ids, config, room)
+    ref = reference_of(runner, ids, config, room)
     reused_kv = runner.new_kv(room)
     runs = store.place(prompt, reused_kv)
     samples = []
 
     def record(setting: Setting, logits, kv, stats) -> None:
-        samples.append(sample_of(runner, ref, ids, config, setting, logits, kv, stats, agents, agent))
+        samples.append(sample_of(runner, ref, prompt, config, setting, logits, kv, stats, agents, agent))
 
     kv = reused_kv.clone()
     logits, stats = runner.prefill(ids, kv, runs, BlendOptions())
     record(Setting(PLAIN), logits, kv, stats)
     rules = {name: rule_named(name) for name in config.rules}
     if config.oracle:
-        rules[ORACLE] = fixed_scores(ORACLE, oracle_scores(full_kv, reused_kv, runs))
+        rules[ORACLE] = fixed_scores(ORACLE, oracle_scores(ref.kv, reused_kv, runs))
     t = torch.tensor(ids)
     row = RequestRow(0, len(ids), torch.arange(room), reused=runs)
     for c in config.check_layers:
@@ -408,12 +447,14 @@ def evaluate_prompt(runner: QualityRunner, prompt: SegmentedPrompt, store: Segme
 @dataclass
 class Reference:
     """A prompt's full prefill: last-token logits, the greedy continuation, the teacher-forced
-    decode inputs and the logits of those decode steps."""
+    decode inputs and the logits of those decode steps, and its KV (the prompt's slots as the
+    prefill left them)."""
 
     logits: torch.Tensor
     continuation: list[int]
     forced: list[int]
     decode: torch.Tensor
+    kv: DenseKV
 
 
 def room_for(prompt: SegmentedPrompt, config: QualityConfig) -> int:
@@ -421,33 +462,44 @@ def room_for(prompt: SegmentedPrompt, config: QualityConfig) -> int:
     return len(prompt.input_ids) + max(config.continuation_tokens, config.decode_steps)
 
 
-def reference_of(runner: QualityRunner, ids: list[int], config: QualityConfig, room: int
-                 ) -> tuple[Reference, DenseKV]:
-    """The full prefill's reference measures, and its KV (in `room` slots)."""
+def reference_of(runner: QualityRunner, ids: list[int], config: QualityConfig, room: int) -> Reference:
+    """The full prefill's reference measures, with its KV (in `room` slots)."""
     full_kv = runner.new_kv(room)
     logits, _ = runner.prefill(ids, full_kv, [], BlendOptions())
     continuation = runner.greedy(full_kv, len(ids), logits, max(config.continuation_tokens, config.decode_steps))
     forced = runner.forced_inputs(continuation, config.decode_steps)
     decode = runner.extend(full_kv, forced, len(ids))
-    return Reference(logits, continuation[:config.continuation_tokens], forced, decode), full_kv
+    return Reference(logits, continuation[:config.continuation_tokens], forced, decode, full_kv)
 
 
-def sample_of(runner: QualityRunner, ref: Reference, ids: list[int], config: QualityConfig, setting: Setting,
-              logits: torch.Tensor, kv: DenseKV, stats: BlendStats, agents: int, agent: int) -> Sample:
+def sample_of(runner: QualityRunner, ref: Reference, prompt: SegmentedPrompt, config: QualityConfig,
+              setting: Setting, logits: torch.Tensor, kv: DenseKV, stats: BlendStats, agents: int,
+              agent: int) -> Sample:
     """One prompt's measures at `setting`: its prefill's last-token logits and KV (decoded
     over, so it is changed) against the reference. `stats` are the prompt's (token-layers
-    may be its batch's)."""
+    may be its batch's). Decode steps are teacher-forced on the reference's continuation; the
+    content steps are those where the full model's entropy exceeds CONTENT_ENTROPY (a copied
+    name or a template token, near-certain, hides the approximation), the decisive ones those
+    where its top two tokens are NEAR_TIE or more apart (a near tie's winner is a coin toss)."""
+    ids = prompt.input_ids
     if config.refresh_last_token:
         logits = runner.refresh_last(kv, ids)
         stats = replace(stats, token_layers=stats.token_layers + runner.model.num_layers)
     kl, top1, top5 = kl_top(ref.logits, logits)
-    decode_kls = kl_rows(ref.decode, runner.extend(kv, ref.forced, len(ids))).tolist()
+    deviation = block_deviation(ref.kv, kv, prompt)
+    decode = runner.extend(kv, ref.forced, len(ids))
+    decode_kls = kl_rows(ref.decode, decode)
+    content = entropy_rows(ref.decode) > CONTENT_ENTROPY
+    decisive = top_margin(ref.decode) >= NEAR_TIE
+    agree = ref.decode.argmax(-1) == decode.argmax(-1)
     cont = runner.greedy(kv, len(ids), logits, config.continuation_tokens)
     return Sample(agents, agent, setting.label, setting.rule, setting.ratio, setting.check_layer,
                   setting.screen_layer, len(ids), stats.reused_tokens, stats.kept_tokens, stats.token_layers,
-                  stats.full_token_layers, kl, mean_or_none(decode_kls), top1, top5,
-                  common_prefix(ref.continuation, cont), len(ref.continuation), decode_kls, setting.group,
-                  setting.probe, stats.adopted_tokens)
+                  stats.full_token_layers, kl, mean_or_none(decode_kls.tolist()), top1, top5,
+                  common_prefix(ref.continuation, cont), len(ref.continuation), decode_kls.tolist(), setting.group,
+                  setting.probe, stats.adopted_tokens, content_kl=mean_or_none(decode_kls[content].tolist()),
+                  content_steps=int(content.sum()), decisive_top1=mean_or_none(agree[decisive].float().tolist()),
+                  block_deviation=deviation, preset=config.preset, seed=config.seed)
 
 
 def group_settings(config: QualityConfig, probes: Sequence[int]) -> list[Setting]:
@@ -518,7 +570,7 @@ class GroupBatch:
 def group_references(runner: QualityRunner, prompts: Sequence[SegmentedPrompt], config: QualityConfig
                      ) -> list[Reference]:
     """Each prompt's full prefill (its reference measures)."""
-    return [reference_of(runner, p.input_ids, config, room_for(p, config))[0] for p in prompts]
+    return [reference_of(runner, p.input_ids, config, room_for(p, config)) for p in prompts]
 
 
 @torch.no_grad()
@@ -527,7 +579,7 @@ def evaluate_group(runner: QualityRunner, prompts: Sequence[SegmentedPrompt], re
     """A round's prompts prefilled as one batch of one round group, plain reuse and every
     setting; each agent's measures against its own full prefill (`refs`). Token-layers are the batch's."""
     batch = GroupBatch(runner, prompts, store, config)
-    return [sample_of(runner, ref, prompt.input_ids, config, setting, member.logits, member.kv, member.stats,
+    return [sample_of(runner, ref, prompt, config, setting, member.logits, member.kv, member.stats,
                       len(prompts), agent)
             for setting in (Setting(PLAIN), *settings)
             for agent, (prompt, ref, member) in enumerate(zip(prompts, refs, batch.run(runner, setting,
@@ -622,13 +674,42 @@ def measure_chunked(runner: QualityRunner, config: QualityConfig, chunks: Sequen
     samples = []
     for n, i, prompt, store in agent_prompts(runner, config, "chunked"):
         ids, room = prompt.input_ids, room_for(prompt, config)
-        ref, _ = reference_of(runner, ids, config, room)
+        ref = reference_of(runner, ids, config, room)
         for setting in settings:
             for chunk in (0, *chunks):
                 logits, kv, stats = runner.run_chunked(prompt, store, setting, config.options, room, chunk or len(ids))
-                samples.append(replace(sample_of(runner, ref, ids, config, setting, logits, kv, stats, n, i),
+                samples.append(replace(sample_of(runner, ref, prompt, config, setting, logits, kv, stats, n, i),
                                        chunk=chunk))
     return samples
+
+
+def measure_fidelity(runner: QualityRunner, config: QualityConfig, presets: Sequence[str], seeds: Sequence[int],
+                     settings: Sequence[Setting]) -> list[Sample]:
+    """Every setting of `settings` (each its own probe) on the first agents' round-0 prompts at
+    every N of the sweep, for each workload preset and seed: how fidelity holds as N grows."""
+    samples = []
+    for preset in presets:
+        for seed in seeds:
+            workload = replace(config, preset=preset, seed=seed)
+            for n, i, prompt, store in agent_prompts(runner, workload, f"fidelity {preset} seed={seed}"):
+                room = room_for(prompt, workload)
+                ref = reference_of(runner, prompt.input_ids, workload, room)
+                for setting in settings:
+                    logits, kv, stats, _ = runner.run_setting(prompt, store, setting, workload.options, room)
+                    samples.append(sample_of(runner, ref, prompt, workload, setting, logits, kv, stats, n, i))
+    return samples
+
+
+def deviation_by_block(samples: Sequence[Sample], setting: str) -> list[dict]:
+    """Mean KV deviation from the full prefill of `setting` by block index (prompt order) per
+    workload and N: how the approximation grows along the prompt."""
+    rows = []
+    for key in sorted({(s.preset, s.agents) for s in samples if s.setting == setting}):
+        group = [s.block_deviation for s in samples if s.setting == setting and (s.preset, s.agents) == key]
+        width = max(map(len, group))
+        rows.append({"preset": key[0], "agents": key[1], "setting": setting, **{
+            f"block {j}": mean_or_none(d[j] for d in group if j < len(d)) for j in range(width)}})
+    return rows
 
 
 def screened_setting(config: QualityConfig, ratio: float) -> Setting | None:
@@ -745,23 +826,29 @@ def _workload(config: QualityConfig, agents: int, rounds: int):
 
 
 def summarize(samples: Iterable[Sample]) -> list[dict]:
-    """Means over agents per (N, setting, Master choice, chunked-prefill size)."""
+    """Means over agents per (workload, seed, N, setting, Master choice, chunked-prefill size).
+    Content-step KL and decisive agreement pool the steps of all the group's prompts."""
     groups: dict[tuple, list[Sample]] = {}
     for s in samples:
-        groups.setdefault((s.agents, s.setting, s.master, s.chunk), []).append(s)
+        groups.setdefault((s.preset, s.seed, s.agents, s.setting, s.master, s.chunk), []).append(s)
     rows = []
-    for (agents, setting, master, chunk), group in groups.items():
+    for (preset, seed, agents, setting, master, chunk), group in groups.items():
         n = len(group)
         reused = sum(s.reused_tokens for s in group)
         decode = [s.decode_kl for s in group if s.decode_kl is not None]
+        content = [(s.content_kl, s.content_steps) for s in group if s.content_kl is not None]
+        steps = sum(c for _, c in content)
         rows.append({
-            "agents": agents, "setting": setting, "master": master, "chunk": chunk, "rule": group[0].rule,
-            "ratio": group[0].ratio,
+            "preset": preset, "seed": seed, "agents": agents, "setting": setting, "master": master, "chunk": chunk,
+            "rule": group[0].rule, "ratio": group[0].ratio,
             "check_layer": group[0].check_layer, "screen_layer": group[0].screen_layer,
             "group_selection": group[0].group_selection, "group_probe": group[0].group_probe,
             "adopted_share": sum(s.adopted_tokens for s in group) / max(reused, 1),
             "first_kl": mean_or_none(s.first_kl for s in group), "first_kl_max": max(s.first_kl for s in group),
             "decode_kl": mean_or_none(decode), "decode_kl_max": max(decode, default=None),
+            "content_kl": sum(kl * c for kl, c in content) / steps if steps else None, "content_steps": steps,
+            "decisive_top1": mean_or_none(s.decisive_top1 for s in group if s.decisive_top1 is not None),
+            "approximate_tokens": sum(s.reused_tokens - s.kept_tokens for s in group) / n,
             "top1": sum(s.top1 for s in group) / n, "top5": sum(s.top5 for s in group) / n,
             "common_prefix": sum(s.common_prefix for s in group) / n,
             "recomputed_share": sum(s.kept_tokens for s in group) / max(reused, 1),

@@ -225,6 +225,8 @@ def server_argv(setting: Setting | None, config: ServerConfig, chunked_prefill: 
         argv += ["--tokendance-selection", setting.rule, "--tokendance-check-layer", str(setting.check_layer),
                  "--tokendance-screen-layer", str(setting.screen_layer),
                  "--tokendance-group-selection", setting.group, "--tokendance-group-probe", str(setting.probe)]
+    if setting.budget is not None:
+        argv += ["--tokendance-max-approximate-tokens", str(setting.budget)]
     return argv + ([] if options.sparse_writeback else ["--no-tokendance-sparse-writeback"])
 
 

@@ -9,7 +9,8 @@ forward). With recompute ratio r > 0:
    a shallower layer s, after which only the reused tokens the rule ranks best there (a few
    times r) run on to c;
 2. check: a selection rule (core/selection.py) scores the reused tokens at layer c and the
-   top r of them (per request) are kept for recompute;
+   top r of them (per request; more where the request's fidelity budget,
+   RequestRow.max_approximate, allows fewer approximate tokens) are kept for recompute;
 3. layers c+1..L-1 run on the fresh and kept tokens only; the others keep their cached KV.
 
 With sparse write-back (default) the tokens not kept keep their cached KV at layers 0..c too
@@ -59,7 +60,7 @@ import torch
 from sglang_tokendance.core.attention import Grid, attend, plan_grids
 from sglang_tokendance.core.collective import GroupRun, share_runs
 from sglang_tokendance.core.rope_attention import RopeOnRead
-from sglang_tokendance.core.selection import CheckState, ReusedSegment, SelectionRule, select_kept
+from sglang_tokendance.core.selection import CheckState, ReusedSegment, SelectionRule, kept_share, select_kept
 
 
 class LayerwiseModel(Protocol):
@@ -146,7 +147,9 @@ class RequestRow:
     """One request of the batch: its `num_tokens` extend tokens follow `prefix_len` tokens
     already in its KV row `slots` ([prefix_len + num_tokens]); `reused` lists its runs of
     reused tokens (ReusedRun, or a plain (start, end) pair for a run from a segment's start);
-    `group` its round group (None: none), for group-aligned selection.
+    `group` its round group (None: none), for group-aligned selection; `max_approximate` its
+    fidelity budget in this forward: at most that many of its reused tokens keep their cached
+    KV, more are recomputed than the recompute ratio says where needed (None: no bound).
 
     `own` (zero copy, Master-Mirror storage): the row's reused positions hold the cached
     segments' slots themselves (Masters, shared with other readers, never written here), and
@@ -160,6 +163,7 @@ class RequestRow:
     reused: Sequence[ReusedRun | tuple[int, int]] = ()
     group: Hashable | None = None
     own: torch.Tensor | None = None
+    max_approximate: int | None = None
 
 
 @dataclass
@@ -182,7 +186,7 @@ def blended_prefill(model: LayerwiseModel, kv: KVStore, ids: torch.Tensor, posit
     not kept) for the flattened extend tokens of `requests`; `rope_on_read` when `kv` keeps K
     un-rotated."""
     batch = _Batch(requests, positions, ids, rope_on_read, options)
-    if not batch.stats.reused_tokens or options.recompute_ratio <= 0:
+    if not batch.stats.reused_tokens or max(batch.kept_shares(options)) <= 0:
         computed = ~batch.reused
         return _run_layers(model, kv, batch, model.embed(ids[computed]), computed, 0, batch.stats)
     if rule is None:
@@ -224,7 +228,7 @@ def probe(model: LayerwiseModel, kv: KVStore, ids: torch.Tensor, positions: torc
     where it is kept).
 
     With a screen (1 <= options.screen_layer = s < c), `rule` first scores the reused tokens
-    at layer s and only the best min(1, screen_factor x recompute_ratio) of each request's go
+    at layer s and only the best min(1, screen_factor x r) of each request's go (r its kept share)
     on through layers s+1..c with the fresh tokens: a deep check at little more than a
     shallow one's cost.
 
@@ -248,8 +252,8 @@ def probe(model: LayerwiseModel, kv: KVStore, ids: torch.Tensor, positions: torc
                         torch.ones(batch.stats.reused_tokens, dtype=torch.bool, device=ids.device))
     if s:
         _probe_layers(model, kv, checked, range(s + 1), rule.needs_attention)
-        share = min(1.0, options.screen_factor * options.recompute_ratio)
-        passed = select_kept(_scores(checked, rule), batch.reused_segments(), share,
+        shares = [min(1.0, options.screen_factor * share) for share in batch.kept_shares(options)]
+        passed = select_kept(_scores(checked, rule), batch.reused_segments(), shares,
                              granularity=options.granularity, block_size=options.block_size,
                              head_tokens=options.block_head_tokens)
         _drop_tracked(kv, checked, ~passed[checked.tracked], options.sparse_writeback)
@@ -303,7 +307,7 @@ def _drop_tracked(kv, checked: Probe, drop: torch.Tensor, sparse_writeback: bool
 def select(checked: Probe, rule: SelectionRule, options: BlendOptions) -> torch.Tensor:
     """The kept mask over the reused tokens under `options` (only tracked tokens, and adopted
     ones that take their group's choice, can be kept)."""
-    return select_kept(_scores(checked, rule), checked.batch.reused_segments(), options.recompute_ratio,
+    return select_kept(_scores(checked, rule), checked.batch.reused_segments(), checked.batch.kept_shares(options),
                        granularity=options.granularity, block_size=options.block_size,
                        head_tokens=options.block_head_tokens) & (checked.tracked | checked.batch.adopted)
 
@@ -474,6 +478,11 @@ class _Batch:
         return share_runs([r.group for r in self.requests],
                           [[GroupRun(run.segment, run.segment_offset, run.end - run.start) for run in runs]
                            for runs in self.runs], options.group_probe)
+
+    def kept_shares(self, options: BlendOptions) -> list[float]:
+        """Each request's share of its reused tokens to recompute (its fidelity budget applied)."""
+        return [kept_share(options.recompute_ratio, sum(run.end - run.start for run in runs), r.max_approximate)
+                for r, runs in zip(self.requests, self.runs)]
 
     def reused_segments(self) -> list[list[ReusedSegment]]:
         return [[ReusedSegment(start + run.start, start + run.end, run.segment_offset, tag)

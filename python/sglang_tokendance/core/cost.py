@@ -27,10 +27,11 @@ wherever a segment matches.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sglang_tokendance.core.attention import CAUSAL_SHARE
 from sglang_tokendance.core.blend import BlendOptions
+from sglang_tokendance.core.selection import kept_share
 
 
 @dataclass(frozen=True)
@@ -69,33 +70,42 @@ class PrefillCost:
         pairs = (prefix + tokens) ** 2 / 2 if self.prefix_queries else tokens * prefix + tokens * tokens / 2
         return self.num_layers * (tokens + self.rates.pair * pairs)
 
-    def blended(self, prefix: int, tokens: int, reused: int) -> float:
-        """Ours: its stages, the attention over each stage's grid, the mass, the restore and the fixed work."""
+    def blended(self, prefix: int, tokens: int, reused: int, max_approximate: int | None = None) -> float:
+        """Ours: its stages, the attention over each stage's grid, the mass, the restore and the
+        fixed work; `max_approximate` the request's fidelity budget in the chunk (RequestRow)."""
         row = prefix + tokens
         work = sum(stage.layers * (stage.tokens + self.rates.pair * _grid_pairs(stage.tokens, row))
-                   + self.rates.mass * stage.mass_pairs for stage in self.stages(tokens, reused))
+                   + self.rates.mass * stage.mass_pairs for stage in self.stages(tokens, reused, max_approximate))
         restored = 0 if self.options.keeps_everything else reused
         return work + self.rates.restore * restored * self.num_layers + self.rates.fixed
 
-    def pays(self, prefix: int, tokens: int, reused: int) -> bool:
+    def pays(self, prefix: int, tokens: int, reused: int, max_approximate: int | None = None) -> bool:
         """Whether blending the chunk is estimated cheaper than SGLang's own forward of it."""
-        return reused > 0 and self.blended(prefix, tokens, reused) < self.stock(prefix, tokens)
+        return reused > 0 and self.blended(prefix, tokens, reused, max_approximate) < self.stock(prefix, tokens)
 
-    def stages(self, tokens: int, reused: int) -> list[Stage]:
-        """The blended prefill's stages for one chunk (core/blend `blended_prefill`)."""
-        o, layers, fresh = self.options, self.num_layers, tokens - reused
+    def stages(self, tokens: int, reused: int, max_approximate: int | None = None, kept: int | None = None,
+               adopted: int = 0) -> list[Stage]:
+        """The blended prefill's stages for one chunk (core/blend `blended_prefill`). After a
+        forward (benchmarks' work counts) `kept` gives the reused tokens it recomputed and
+        `adopted` those that skipped the probe for their round group's choice (shared probe:
+        its kept ones catch up through the probe layers)."""
+        o = replace(self.options, recompute_ratio=kept_share(self.options.recompute_ratio, reused, max_approximate))
+        layers, fresh = self.num_layers, tokens - reused
         if o.recompute_ratio <= 0:
             return [Stage(layers, fresh)]
         if o.keeps_everything:
             return [Stage(layers, tokens)]
-        kept = fresh + round(o.recompute_ratio * reused)
-        mass = fresh * reused if self.attention_mass else 0
+        kept = round(o.recompute_ratio * reused) if kept is None else kept
+        probed = reused - adopted
+        mass = fresh * probed if self.attention_mass else 0
+        caught_up = [Stage(o.check_layer + 1, round(kept * adopted / reused))] if adopted else []
         if not o.screened:
-            return [Stage(o.check_layer + 1, tokens, mass), Stage(layers - o.check_layer - 1, kept)]
-        passed = round(min(1.0, o.screen_factor * o.recompute_ratio) * reused)
-        return [Stage(o.screen_layer + 1, tokens, mass),
+            return [Stage(o.check_layer + 1, fresh + probed, mass), *caught_up,
+                    Stage(layers - o.check_layer - 1, fresh + kept)]
+        passed = round(min(1.0, o.screen_factor * o.recompute_ratio) * probed)
+        return [Stage(o.screen_layer + 1, fresh + probed, mass),
                 Stage(o.check_layer - o.screen_layer, fresh + passed, fresh * passed if self.attention_mass else 0),
-                Stage(layers - o.check_layer - 1, kept)]
+                *caught_up, Stage(layers - o.check_layer - 1, fresh + kept)]
 
 
 def _grid_pairs(queries: int, row: int) -> float:

@@ -5,7 +5,10 @@ token's cached KV next to its freshly computed KV, and optionally how much atten
 request's fresh tokens pay it); `select_kept` turns scores into the kept set under a budget of
 r x (reused tokens) per request, at token or block granularity (blocks of `block_size` tokens
 counted from each reused segment's start), with the first `block_head_tokens` of every
-segment always kept.
+segment always kept. A request with a fidelity budget (at most M of its reused tokens keep
+their cached KV: `--tokendance-max-approximate-tokens`) has r raised to 1 - M / reused where
+that is more (`kept_share`): the decode error grows with the number of approximate tokens,
+not their share, so a fixed r loses fidelity as a round's agents (and blocks) grow.
 
 Rules (`--tokendance-selection`):
 * cacheblend-k / cacheblend-v / cacheblend-kv: CacheBlend's deviation of K, V or both at
@@ -113,20 +116,32 @@ class ReusedSegment:
     shared: tuple[Hashable, Hashable] | None = None
 
 
-def select_kept(scores: torch.Tensor, requests: Sequence[Sequence[ReusedSegment]], ratio: float, *,
-                granularity: str = "token", block_size: int = 16, head_tokens: int = 0) -> torch.Tensor:
-    """Kept-token mask over the reused tokens (batch order, the order of the segments given).
+def kept_share(ratio: float, reused: int, max_approximate: int | None) -> float:
+    """The share of a request's `reused` tokens to recompute: `ratio`, raised where needed so
+    that at most `max_approximate` of them keep their cached KV (None: no bound)."""
+    if max_approximate is None or reused <= max_approximate:
+        return ratio
+    return max(ratio, 1.0 - max_approximate / reused)
 
-    Tokens are selected in pools, each under a budget of round(ratio x its tokens): a request's
-    runs not `shared` form its own pool; shared runs form their pool, where the tokens at the
-    same unit of the same segment (in any request) are one unit, kept or not as one. Per pool,
+
+def select_kept(scores: torch.Tensor, requests: Sequence[Sequence[ReusedSegment]], ratios: Sequence[float], *,
+                granularity: str = "token", block_size: int = 16, head_tokens: int = 0) -> torch.Tensor:
+    """Kept-token mask over the reused tokens (batch order, the order of the segments given),
+    `ratios` the share to keep of each request's.
+
+    Tokens are selected in pools, each under a budget of round(sum of ratio x tokens over its
+    requests' runs): a request's runs not `shared` form its own pool; shared runs form their
+    pool, where the tokens at the same unit of the same segment (in any request) are one unit,
+    kept or not as one. Per pool,
     head tokens come first, then the best units (tokens, or whole blocks) ranked by the mean
     score of their tokens, until the budget is covered. A NaN score is no score (a token that
     takes its unit's choice without having been scored); a unit with none ranks last."""
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    if len(ratios) != len(requests):
+        raise ValueError(f"one ratio per request: {len(ratios)} ratios for {len(requests)} requests")
     kept = torch.zeros(scores.shape[0], dtype=torch.bool, device=scores.device)
-    pools: dict[Hashable, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}  # pool -> (row, unit id, head)
+    pools: dict[Hashable, list[tuple[int, torch.Tensor, torch.Tensor, float]]] = {}  # (row, unit id, head, ratio)
     segment_index: dict[Hashable, int] = {}  # shared segment -> its index (its units' ids: index, unit)
     next_unit = row = 0
     for index, segments in enumerate(requests):
@@ -141,13 +156,14 @@ def select_kept(scores: torch.Tensor, requests: Sequence[Sequence[ReusedSegment]
             else:  # the same id for the same unit of the segment, in every run of it
                 index_of = segment_index.setdefault(seg.shared, len(segment_index))
                 unit, pool = per_unit + (index_of << 32), ("shared", seg.shared[0])
-            pools.setdefault(pool, []).append((row, unit, within < head_tokens))
+            pools.setdefault(pool, []).append((row, unit, within < head_tokens, ratios[index]))
             row += unit.numel()
     for parts in pools.values():
-        rows = torch.cat([torch.arange(r, r + u.numel(), device=scores.device) for r, u, _ in parts])
-        ids, unit = torch.unique(torch.cat([u for _, u, _ in parts]), return_inverse=True)
-        head = torch.cat([h for _, _, h in parts])
-        kept[rows] = _top_units(scores[rows].float(), unit, head, ids.numel(), round(ratio * rows.numel()))
+        rows = torch.cat([torch.arange(r, r + u.numel(), device=scores.device) for r, u, _, _ in parts])
+        ids, unit = torch.unique(torch.cat([u for _, u, _, _ in parts]), return_inverse=True)
+        head = torch.cat([h for _, _, h, _ in parts])
+        budget = round(sum(ratio * u.numel() for _, u, _, ratio in parts))
+        kept[rows] = _top_units(scores[rows].float(), unit, head, ids.numel(), budget)
     return kept
 
 

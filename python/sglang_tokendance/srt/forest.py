@@ -76,7 +76,7 @@ class SegmentForest(KeptMirrors):
                  blend: BlendOptions = BlendOptions(), rule: SelectionRule | None = None,
                  min_segment_tokens: int = 16, options: Callable[[object], RequestOptions] | None = None,
                  group_of: Callable[[object], Hashable | None] = lambda req: None, exact_recurrence: bool = True,
-                 cost: PrefillCost | None = None):
+                 cost: PrefillCost | None = None, max_approximate: int | None = None):
         self.options = options or RequestOptionsCache()  # each request's TokenDance options, parsed once
         self.group_of = group_of  # the key of the round group a request is admitted with (srt/policy)
         self.keys = keys  # the pool's K form; None: no segments are cached (a plain radix cache)
@@ -84,6 +84,7 @@ class SegmentForest(KeptMirrors):
         self.salt = salt
         self.blend, self.rule = blend, rule
         self.cost = cost  # chunks whose blending would not pay take SGLang's path (None: every match blends)
+        self.max_approximate = max_approximate  # each request's fidelity budget (None: the ratio alone)
         self.min_segment_tokens = min_segment_tokens
         self.sightings = Sightings() if exact_recurrence else None  # blocks to compute exactly where they recur
         self.requests: dict[object, RequestReuse] = {}  # SGLang's Req -> its reuse, until released
@@ -197,7 +198,8 @@ class SegmentForest(KeptMirrors):
             state = self._state_of(req)
             if state is None:
                 continue
-            plan = state.plan_chunk(self.segments, req.prefix_len, req.extend_end, self.group_of(req), self.cost)
+            plan = state.plan_chunk(self.segments, req.prefix_len, req.extend_end, self.group_of(req), self.cost,
+                                    self.max_approximate)
             self.metrics.count_restore(plan.hits, plan.misses)
             if plan.fell_back:
                 self.metrics.count_fallback(plan.fell_back)
@@ -396,7 +398,8 @@ def build_forest(ctx: TreeCacheBuildContext, options: Callable[[object], Request
     keys = PoolKeys(serving_rope_spec(hf_config), rotated=not args.mirror_storage)  # the launcher checked the RoPE
     architectures = list(hf_config.architectures or [])
     reuse = args.kv_enabled and len(architectures) == 1 and architectures[0] in SUPPORTED_ARCHITECTURES
-    if reuse and args.recompute_ratio > 0 and args.check_layer >= hf_config.num_hidden_layers:
+    probes = args.recompute_ratio > 0 or args.approximate_budget is not None
+    if reuse and probes and args.check_layer >= hf_config.num_hidden_layers:
         raise ValueError(f"--tokendance-check-layer {args.check_layer} must be below the model's "
                          f"{hf_config.num_hidden_layers} layers")
     blend, rule = args.blend_options(), rule_named(args.selection)
@@ -405,7 +408,8 @@ def build_forest(ctx: TreeCacheBuildContext, options: Callable[[object], Request
                        prefix_queries=backend == "torch_native") if args.cost_check else None
     return SegmentForest(ctx.params, keys, reuse=reuse, salt=model_salt_from_env(), blend=blend, rule=rule,
                          min_segment_tokens=args.min_segment_tokens, options=options, group_of=group_of,
-                         exact_recurrence=args.exact_recurrence, cost=cost)
+                         exact_recurrence=args.exact_recurrence, cost=cost,
+                         max_approximate=args.approximate_budget)
 
 
 def restore_after_allocation(prepare_for_extend, batch, *args, **kwargs):

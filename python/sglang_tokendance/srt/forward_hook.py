@@ -30,10 +30,8 @@ def model_forward(forest, original, model, input_ids, positions, forward_batch, 
     from sglang.srt.model_executor.forward_context import get_token_to_kv_pool
 
     req_to_token = forest.req_to_token_pool.req_to_token
-    rows = [RequestRow(prefix, extend, req_to_token[pool_index, :prefix + extend],
-                       reused=plan.extend_runs() if plan is not None else (),
-                       group=plan.group if plan is not None else None,
-                       own=plan.own if plan is not None else None)
+    rows = [RequestRow(prefix, extend, req_to_token[pool_index, :prefix + extend]) if plan is None
+            else plan.request_row(req_to_token[pool_index, :prefix + extend])
             for plan, prefix, extend, pool_index in zip(plans, forward_batch.extend_prefix_lens_cpu,
                                                         forward_batch.extend_seq_lens_cpu,
                                                         forward_batch.req_pool_indices_cpu.tolist())]

@@ -1,6 +1,7 @@
 """A request's `tokendance` options: validated once in the tokenizer manager, parsed once in the scheduler.
 
-The client's `tokendance` object (`"register_output"`, `"round"`, `"round_size"`, `"agent"`)
+The client's `tokendance` object (`"register_output"`, `"round"`, `"round_size"`, `"agent"`,
+`"max_approximate_tokens"`)
 is checked by `RequestOptions.from_client` (bad input: `SegmentError`, a 400). The tokenizer
 manager (srt/prompt_interface) adds the prompt's segment spans and sends the whole as JSON in
 `sampling_params.custom_params[CARRIER_KEY]`, a key stripped from client input first, so a
@@ -22,20 +23,23 @@ from sglang_tokendance.core.segments import SegmentError, SegmentSpan
 
 CARRIER_KEY = "tokendance"  # in sampling_params.custom_params; only the tokenizer manager sets it
 OPTIONS_SHAPE = ('`tokendance` must be an object like {"register_output": true, "round": "r1", "round_size": 4, '
-                 '"agent": "alice"}')
-CLIENT_FIELDS = frozenset({"register_output", "round", "round_size", "agent"})
+                 '"agent": "alice", "max_approximate_tokens": 200}')
+CLIENT_FIELDS = frozenset({"register_output", "round", "round_size", "agent", "max_approximate_tokens"})
 
 
 @dataclass(frozen=True)
 class RequestOptions:
     """What TokenDance knows of one request: its shared segments (token spans and content
     hashes) and its client's options. `round`: the multi-agent round it belongs to (None: no
-    round); `agent`: keep the finished row's KV for this agent's next prompt (mirror storage)."""
+    round); `agent`: keep the finished row's KV for this agent's next prompt (mirror storage);
+    `max_approximate_tokens`: its fidelity budget, in place of --tokendance-max-approximate-tokens
+    (None: the server's)."""
 
     spans: tuple[SegmentSpan, ...] = ()
     register_output: bool = False
     round: RoundTag | None = None
     agent: str | None = None
+    max_approximate_tokens: int | None = None
 
     @property
     def concerns_tokendance(self) -> bool:
@@ -69,14 +73,20 @@ class RequestOptions:
                                f"got {json.dumps(size)[:80]}")
         if size is not None and round_id is None:
             raise SegmentError("`tokendance.round_size` needs `tokendance.round`")
-        return cls.from_payload({key: value for key, value in options.items() if value not in (None, False)})
+        budget = options.get("max_approximate_tokens")
+        if budget is not None and not (type(budget) is int and budget >= 0):
+            raise SegmentError(f"`tokendance.max_approximate_tokens` must be an integer >= 0, got "
+                               f"{json.dumps(budget)[:80]}")
+        given = {key: value for key, value in options.items() if value is not None and value is not False}
+        return cls.from_payload(given)
 
     @classmethod
     def from_payload(cls, payload: dict) -> "RequestOptions":
         """The options as the tokenizer manager carried them (`payload`)."""
         spans = tuple(SegmentSpan(**span) for span in payload.get("segments", ()))
         tag = RoundTag(payload["round"], payload.get("round_size")) if "round" in payload else None
-        return cls(spans, bool(payload.get("register_output")), tag, payload.get("agent"))
+        return cls(spans, bool(payload.get("register_output")), tag, payload.get("agent"),
+                   payload.get("max_approximate_tokens"))
 
     @classmethod
     def carried_by(cls, custom_params: dict | None) -> "RequestOptions":
@@ -98,6 +108,8 @@ class RequestOptions:
                 payload["round_size"] = self.round.size
         if self.agent is not None:
             payload["agent"] = self.agent
+        if self.max_approximate_tokens is not None:
+            payload["max_approximate_tokens"] = self.max_approximate_tokens
         return payload
 
 

@@ -19,7 +19,7 @@ from typing import Any, Hashable
 import torch
 from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
 
-from sglang_tokendance.core.blend import ReusedRun
+from sglang_tokendance.core.blend import RequestRow, ReusedRun
 from sglang_tokendance.core.cost import PrefillCost
 from sglang_tokendance.core.segment_table import SegmentEntry, SegmentTable
 from sglang_tokendance.core.segments import SegmentSpan
@@ -65,6 +65,7 @@ class ChunkPlan:
     misses: int = 0
     group: Hashable | None = None
     fell_back: int = 0  # matched tokens computed instead: blending the chunk would not pay (core/cost)
+    max_approximate: int | None = None  # what the request's fidelity budget leaves this chunk (None: no bound)
     pool_index: int = -1  # the request's row in SGLang's req_to_token
     own: torch.Tensor | None = None  # zero copy: the own slots of the reused positions, until settled
 
@@ -76,10 +77,12 @@ class ChunkPlan:
         """The reused row positions, in run order."""
         return torch.cat([torch.arange(run.start, run.end, device=device) for run in self.runs])
 
-    def extend_runs(self) -> list[ReusedRun]:
-        """The runs relative to the chunk's first token, as core/blend takes them."""
-        return [ReusedRun(r.start - self.prefix_len, r.end - self.prefix_len, r.segment_offset, r.master.key)
+    def request_row(self, slots: torch.Tensor) -> RequestRow:
+        """The chunk as core/blend takes it, over the request's KV row `slots`: its runs relative
+        to the chunk's first token, its round group, own slots and fidelity budget."""
+        runs = [ReusedRun(r.start - self.prefix_len, r.end - self.prefix_len, r.segment_offset, r.master.key)
                 for r in self.runs]
+        return RequestRow(self.prefix_len, self.extend_len, slots, runs, self.group, self.own, self.max_approximate)
 
 
 @dataclass
@@ -138,20 +141,27 @@ class RequestReuse:
     def key(self, segment_hash: str) -> Hashable:
         return (self.namespace, segment_hash)
 
-    def plan_chunk(self, table: SegmentTable, prefix_len: int, extend_end: int,
-                   group: Hashable | None = None, cost: PrefillCost | None = None) -> ChunkPlan:
+    def plan_chunk(self, table: SegmentTable, prefix_len: int, extend_end: int, group: Hashable | None = None,
+                   cost: PrefillCost | None = None, max_approximate: int | None = None) -> ChunkPlan:
         """Plan the chunk [prefix_len, extend_end) (core/plan) over the cached segments of the
         request's namespace; counts the chunk's tokens, and each span's hit or miss once.
-        With `cost`, a chunk whose blending would not pay reads nothing: SGLang's path computes it."""
+        With `cost`, a chunk whose blending would not pay reads nothing: SGLang's path computes it.
+        `max_approximate`: the server's fidelity budget (the request's own, when it sets one, wins);
+        the chunk gets what earlier chunks left of it (their reused tokens not recomputed)."""
+        if self.options.max_approximate_tokens is not None:
+            max_approximate = self.options.max_approximate_tokens
+        allowance = None if max_approximate is None else max(0, max_approximate - self.counts.reused_tokens)
         runs = ChunkRuns()
         if self.can_reuse:
             ids = self.req.origin_input_ids
             runs = plan_chunk(self.reusable, lambda span: self._lookup(table, span, ids), prefix_len, extend_end,
                               len(ids))
         fell_back = 0
-        if runs.runs and cost is not None and not cost.pays(prefix_len, extend_end - prefix_len, runs.reused_tokens):
+        if runs.runs and cost is not None and not cost.pays(prefix_len, extend_end - prefix_len, runs.reused_tokens,
+                                                             allowance):
             fell_back, runs.runs = runs.reused_tokens, []
         plan = ChunkPlan(self, prefix_len, extend_end - prefix_len, runs.runs, group=group, fell_back=fell_back,
+                         max_approximate=allowance,
                          hits=len(set(runs.found) - self._looked_up), misses=len(set(runs.missed) - self._looked_up))
         self._looked_up.update(runs.found + runs.missed)
         reused = plan.reused_tokens
