@@ -21,11 +21,12 @@ MAX_SEGMENTS = 6
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_path):
+def server(tiny_llama):
     """The interface alone (--disable-tokendance keeps it, minus KV reuse): every output here
-    must equal a full prefill. Reuse is tested in test_forest.py."""
-    with ServerProcess(["--disable-tokendance", "--tokendance-max-segments", str(MAX_SEGMENTS),
-                        "--context-length", "2048"]) as proc:
+    must equal a full prefill. Reuse is tested in test_forest.py. A tiny random Llama with
+    SmolLM2's tokenizer and chat template: the model does not matter here."""
+    with ServerProcess(["--model-path", tiny_llama, "--disable-tokendance", "--tokendance-max-segments",
+                        str(MAX_SEGMENTS), "--context-length", "2048"]) as proc:
         yield proc.url
 
 

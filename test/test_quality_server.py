@@ -155,8 +155,10 @@ def test_comparison_on_canned_responses(runner):
         assert s.same_prompt and s.noise_first_tkl < 1e-6 and s.noise_agree == CONFIG.decode_steps + 1
         assert s.server_first_tkl == pytest.approx(s.inproc_first_tkl, abs=1e-6)
         assert s.server_agree == s.inproc_agree and s.steps_compared == min(CONFIG.decode_steps, s.server_agree)
+        assert 0 < s.content_steps <= CONFIG.decode_steps  # a random model is unsure at every step
         if s.steps_compared:
             assert s.server_decode_tkl == pytest.approx(s.inproc_decode_tkl, abs=1e-6)
+            assert s.server_content_tkl == pytest.approx(s.server_decode_tkl)  # every step a content step
         else:
             assert s.server_decode_tkl is None and s.inproc_decode_tkl is None
         assert (s.server_hits, s.server_reused, s.server_recomputed) == (s.inproc_hits, s.inproc_reused,

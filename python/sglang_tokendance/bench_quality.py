@@ -387,8 +387,8 @@ def run_chunked(args: argparse.Namespace, runner: QualityRunner, out: Path, comm
     """Chunked-prefill mode: JSONL, Markdown, plot."""
     config = config_from(args)
     _, versus = write_compared(out, "chunked", measure_chunked(runner, config, args.chunked), chunked_versus)
-    columns = ["agents", "setting", "chunk", "recomputed_share", "work", "first_kl", "decode_kl", "decode_kl_max",
-               "kl_vs_whole", "within_1.2x", "top1", "common_prefix"]
+    columns = ["agents", "setting", "chunk", "recomputed_share", "work", "first_kl", "decode_kl", "content_kl",
+               "decode_kl_max", "kl_vs_whole", "within_1.2x", "top1", "common_prefix"]
     sections = [("Metrics", METRICS.format(steps=config.decode_steps) + CHUNKED_METRICS)]
     sections += [(f"N = {n} (mean over agents)", report.markdown_table([r for r in versus if r["agents"] == n],
                                                                         columns)) for n in config.num_agents]
@@ -545,8 +545,10 @@ at the same steps, teacher-forced on the reference server's output (same prompts
 cached KV). `agree`: common prefix of the greedy outputs ({n} tokens). `reused`/`recomputed`/`hits`:
 meta_info["tokendance"] vs the in-process prefill. `inproc_first_kl`/`inproc_decode_kl`:
 full-vocabulary KL in-process (decode: every teacher-forced step). `noise_*`: the reference server
-vs the in-process full prefill (the floor of any difference). Chunked rows: both servers at
-that --chunked-prefill-size, the in-process side unchunked."""
+vs the in-process full prefill (the floor of any difference). `content`: the decode measures over
+content steps only, those where the in-process full prefill's next-token entropy exceeds 1 nat
+(`content_steps`: how many, of every teacher-forced step). Chunked rows: both servers at that
+--chunked-prefill-size, the in-process side unchunked."""
 
 
 def run_server(args: argparse.Namespace, runner: QualityRunner, out: Path, command: str) -> None:
@@ -563,6 +565,9 @@ def run_server(args: argparse.Namespace, runner: QualityRunner, out: Path, comma
                     "workload", "setting", "server_first_tkl", "inproc_first_tkl", "server_decode_tkl",
                     "inproc_decode_tkl", "steps_compared", "server_agree", "inproc_agree", "noise_first_tkl",
                     "noise_decode_tkl", "noise_agree"])),
+                ("Content steps (mean over agents)", report.markdown_table(rows, [
+                    "workload", "setting", "server_content_tkl", "inproc_content_kl", "inproc_decode_kl",
+                    "content_steps"])),
                 ("Reuse counts and full-vocabulary KL (mean over agents)", report.markdown_table(rows, [
                     "workload", "setting", "same_prompts", "server_hits", "inproc_hits", "server_reused",
                     "inproc_reused", "server_recomputed", "inproc_recomputed", "inproc_first_kl",

@@ -31,8 +31,8 @@ import requests
 import torch
 from tqdm import tqdm
 
-from sglang_tokendance.bench.quality import (FULL, PLAIN, QualityRunner, SegmentStore, Setting, common_prefix,
-                                             kl_rows, mean_or_none)
+from sglang_tokendance.bench.quality import (CONTENT_ENTROPY, FULL, PLAIN, QualityRunner, SegmentStore, Setting,
+                                             common_prefix, entropy_rows, kl_rows, mean_or_none)
 from sglang_tokendance.bench.workloads import Simulation, make_simulation, preset_config
 from sglang_tokendance.core.blend import BlendOptions
 from sglang_tokendance.core.segments import SegmentedPrompt
@@ -190,6 +190,9 @@ class ServerSample:
     noise_first_tkl: float  # reference server vs in-process full prefill
     noise_decode_tkl: float | None
     noise_agree: int  # steps at which the in-process full prefill's greedy token is the reference's
+    server_content_tkl: float | None  # the decode measure over the compared content steps only
+    inproc_content_kl: float | None  # full vocabulary, every teacher-forced content step
+    content_steps: int  # teacher-forced decode steps where the full prefill's entropy exceeds CONTENT_ENTROPY
 
 
 def request_body(text: str, config: ServerConfig, max_new_tokens: int, with_logprobs: bool) -> dict:
@@ -329,6 +332,8 @@ def compare(workload: Workload, agent: int, setting: Setting, prompt: SegmentedP
     forced = range(1, full.logits.shape[0])  # in-process decode steps (before any special token)
     steps = [t for t in compared_steps(ref.ids, blended.ids, config.decode_steps) if t in forced]
     same = blended.prompt_tokens == len(prompt.input_ids) and blended.spans == [(s.start, s.end) for s in prompt.spans]
+    entropy = entropy_rows(full.logits)
+    content = [t for t in forced if entropy[t] > CONTENT_ENTROPY]  # the in-process full prefill's, same inputs
     return ServerSample(
         workload.label, workload.agents, workload.block_words, workload.chunked_prefill, agent, setting.label,
         len(prompt.input_ids), same, len(steps),
@@ -340,7 +345,9 @@ def compare(workload: Workload, agent: int, setting: Setting, prompt: SegmentedP
         float(kl_rows(full.logits[0], mine.logits[0])),
         mean_or_none(kl_rows(full.logits[1:], mine.logits[1:]).tolist()),
         truncated_kl(ref.tops[0], full.tops[0]), mean_or_none(step_kls(ref.tops, full.tops, forced)),
-        common_prefix(ref.ids, full.greedy))
+        common_prefix(ref.ids, full.greedy),
+        mean_or_none(step_kls(ref.tops, blended.tops, [t for t in steps if t in content])),
+        mean_or_none(kl_rows(full.logits[content], mine.logits[content]).tolist()), len(content))
 
 
 def run(config: ServerConfig, runner: QualityRunner, saved: SavedAnswers) -> list[ServerSample]:
@@ -399,5 +406,5 @@ def summarize(samples: Iterable[ServerSample]) -> list[dict]:
                          "steps_compared", "server_agree", "inproc_agree", "server_reused", "inproc_reused",
                          "server_recomputed", "inproc_recomputed", "server_hits", "inproc_hits",
                          "inproc_first_kl", "inproc_decode_kl", "noise_first_tkl", "noise_decode_tkl",
-                         "noise_agree")}})
+                         "noise_agree", "server_content_tkl", "inproc_content_kl", "content_steps")}})
     return rows
