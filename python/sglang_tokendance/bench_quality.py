@@ -273,7 +273,7 @@ def run_sweep(args: argparse.Namespace, runner: QualityRunner, out: Path, comman
     records += [{"kind": "divergence", **{k: v for k, v in asdict(d).items() if k != "outputs"}} for d in divergence]
     records += [{"kind": "timing", **t} for t in timing]
     report.write_jsonl(out, records)
-    columns = ["agents", "setting", "recomputed_share", "work", "first_kl", "decode_kl", "first_kl_max",
+    columns = ["agents", "setting", "recomputed_share", "work", "first_kl", "decode_kl", "content_kl", "first_kl_max",
                "decode_kl_max", "top1", "top5", "common_prefix"]
     sections = [("Metrics", METRICS.format(steps=config.decode_steps))]
     sections += [(f"N = {n}: mean over agents", report.markdown_table([r for r in rows if r["agents"] == n], columns))
@@ -603,12 +603,13 @@ prefill left it (sparse write-back included) -- the quality users get. `_max`: t
 
 
 def plot_kl(path: Path, rows: list[dict], agents: int, decode_steps: int, x: str = "recomputed_share") -> None:
-    """First-token and decode-step KL vs `x` (recomputed share of reused tokens, or work), side by
-    side, one line per rule and check layer."""
+    """First-token, decode-step and content-step KL vs `x` (recomputed share of reused tokens, or
+    work: the fidelity / work frontier), side by side, one line per rule and check layer."""
     xlabel = {"recomputed_share": "recomputed share of reused tokens",
               "work": "token-layers computed / full prefill's"}[x]
     panels = []
-    for metric, what in (("first_kl", "first output token"), ("decode_kl", f"first {decode_steps} decode steps")):
+    for metric, what in (("first_kl", "first output token"), ("decode_kl", f"first {decode_steps} decode steps"),
+                         ("content_kl", f"content steps of the first {decode_steps}")):
         series: dict[str, tuple[list[float], list[float]]] = {}
         plain = next((r[metric] for r in rows if r["rule"] == PLAIN), None)
         for r in sorted(rows, key=lambda r: r[x]):

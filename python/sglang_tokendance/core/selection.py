@@ -21,6 +21,12 @@ Rules (`--tokendance-selection`):
   layer c (a token no fresh token of the forward follows -- in a prefill chunk that ends in
   reused text -- counts as the average seen token). It needs a probe a few layers deep (c >= 3;
   measured best at c = 5); at c = 1 it is worse than CacheBlend's rule (benchmark/results/quality.md).
+
+The metric they optimise: the rules and the default (attention-kv, c = 5, screen at 1) were
+chosen on the first output token's KL. Users feel the decode steps' KL on content tokens, and
+there (`bench_quality --fidelity`, benchmark/results/quality_fidelity.md) CacheBlend's K+V
+deviation at c = 8, screened, is 19-25% better at 10 and 16 agents and ties at 4; the default
+is not re-tuned on it yet. The fidelity budget bounds the decode error whatever the rule.
 """
 
 from __future__ import annotations
