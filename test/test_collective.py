@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -10,8 +11,8 @@ from sglang_tokendance.core.collective import RoundGrouper, RoundTag
 NS = ("extra", None)
 
 
-def grouper(window_s: float = 1.0, min_shared: int = 0) -> RoundGrouper[str]:
-    return RoundGrouper(window_s, min_shared)
+def grouper(window_s: float = 1.0, min_shared: int = 0, lead: bool = False) -> RoundGrouper[str]:
+    return RoundGrouper(window_s, min_shared, lead)
 
 
 def test_round_is_held_until_its_last_member_arrives_then_released_whole():
@@ -27,6 +28,41 @@ def test_round_is_held_until_its_last_member_arrives_then_released_whole():
     g.admitted(["a", "b", "x", "c"])
     assert record.admitted == [3] and g.largest_admitted == 3
     assert g.stats()["tracked_requests"] == 0 and g.stats()["open_rounds"] == 0
+
+
+def test_led_round_releases_its_leader_first_and_the_others_once_its_prefill_is_done():
+    g = grouper(lead=True)
+    for name, hashes in (("a", ["x"]), ("b", ["x", "y", "z"]), ("c", ["x", "y"])):
+        g.arrive(name, NS, RoundTag("r", 3), hashes, now=0)
+    [record] = g.release_due(now=1.0, led=lambda leader: False)
+    assert record.led and g.leads("b") and not g.is_held("b")  # the most segments: b leads
+    assert g.is_held("a") and g.is_held("c") and not g.leads("a")
+    g.admitted(["b"])
+    assert g.release_due(now=1.5, led=lambda leader: False) == [] and g.is_held("a")
+    g.release_due(now=2.0, led=lambda leader: leader == "b")
+    assert not g.is_held("a") and not g.is_held("c") and not g.leads("b")
+    assert record.wait_s == 2 * 1.0 + 1.0 + 2 * 1.0  # all three waited 1 s for c, then a and c 1 s for b
+    g.admitted(["a", "c"])
+    assert record.admitted == [1, 2] and g.stats()["led_rounds"] == 1 and g.stats()["tracked_requests"] == 0
+
+
+def test_led_round_goes_on_without_a_leader_that_left_before_its_prefill():
+    g = grouper(lead=True)
+    for name in "abc":
+        g.arrive(name, NS, RoundTag("r", 3), ["x"], now=0)
+    g.release_due(now=0, led=lambda leader: False)
+    assert g.leads("a") and g.is_held("b")
+    g.keep_only(["b", "c"])  # the leader was aborted while waiting
+    assert not g.is_held("b") and not g.is_held("c")
+    g.release_due(now=0.1, led=lambda leader: False)
+    assert g.stats()["held_requests"] == 0 and not g.leading
+
+
+def test_round_of_one_has_no_leader():
+    g = grouper(lead=True)
+    g.arrive("a", NS, RoundTag("r", 1), ["x"], now=0)
+    [record] = g.release_due(now=0, led=lambda leader: False)
+    assert not record.led and not g.leads("a") and not g.is_held("a")
 
 
 def test_request_without_round_is_never_held():
@@ -94,12 +130,12 @@ def test_order_puts_released_members_together_and_same_segments_adjacent():
 @given(st.lists(st.tuples(st.sampled_from(["p", "r1", "r2", "r3"]), st.integers(1, 4),
                           st.sets(st.sampled_from("uvwxyz"), max_size=3), st.floats(0, 0.5)),
                 min_size=1, max_size=30),
-       st.integers(0, 2), st.randoms(use_true_random=False))
-def test_grouping_properties(arrivals, min_shared, rng):
+       st.integers(0, 2), st.booleans(), st.randoms(use_true_random=False))
+def test_grouping_properties(arrivals, min_shared, lead, rng):
     """Untagged requests without enough segments are never held; every held request is
     released by its window; `order` is a permutation keeping released groups contiguous and
     everything else in place; admitting everything leaves no state."""
-    g = grouper(window_s=1.0, min_shared=min_shared)
+    g = grouper(window_s=1.0, min_shared=min_shared, lead=lead)
     now, queue = 0.0, []
     for i, (kind, size, hashes, gap) in enumerate(arrivals):
         now += gap
@@ -109,7 +145,7 @@ def test_grouping_properties(arrivals, min_shared, rng):
         if tag is None and len(hashes) < min_shared or min_shared == 0 and tag is None:
             assert group is None
         queue.append(item)
-        g.release_due(now)
+        g.release_due(now, led=lambda leader: rng.random() < 0.5)
         if rng.random() < 0.1:  # an abort
             queue.remove(rng.choice(queue))
             g.keep_only(queue)
@@ -126,3 +162,17 @@ def test_grouping_properties(arrivals, min_shared, rng):
     stats = g.stats()
     assert stats["tracked_requests"] == 0 and stats["open_rounds"] == 0 and stats["held_requests"] == 0
     assert stats["rounds_formed"] == len(g.recent) or stats["rounds_formed"] > len(g.recent) == 64
+
+
+def test_a_late_member_joins_the_others_behind_a_leader_still_prefilling():
+    g = grouper(window_s=0.05, lead=True)
+    for name in "ab":
+        g.arrive(name, NS, RoundTag("r", 3), ["x"], now=0)
+    [record] = g.release_due(now=0.05, led=lambda leader: False)  # the window expired: released short
+    assert record.fallback and g.leads("a") and g.is_held("b")
+    g.admitted(["a"])
+    assert g.arrive("c", NS, RoundTag("r", 3), ["x"], now=1.0) is g.group_of["b"]  # long after the window
+    assert g.is_held("c") and not g.leads("c") and record.members == 3
+    g.release_due(now=2.0, led=lambda leader: leader == "a")
+    assert not g.is_held("b") and not g.is_held("c")
+    assert record.wait_s == pytest.approx(0.05 + 0.05 + (2.0 - 0.05) + (2.0 - 1.0))

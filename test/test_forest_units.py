@@ -571,3 +571,57 @@ def test_eviction_inside_a_free_group_counts_what_it_frees_under_mirror_storage(
     assert forest.evictable_size() == 24
     allocator.free_group_end()
     assert allocator.available_size() == 64 - 24
+
+
+def test_a_round_leaders_blocks_supersede_a_master_that_live_rows_still_read():
+    """The leader (srt/policy) reads nothing and caches its blocks with `replace`: a new reader
+    gets the leader's slots, a live reader keeps the superseded Master's until it ends (held,
+    out of the table), the pool's accounting holds throughout and nothing leaks."""
+    forest = mirror_forest()
+    allocator, rows = forest.token_to_kv_pool_allocator, forest.req_to_token_pool.req_to_token
+    key = ((None, None), "a")
+    author = allocator.alloc(12)
+    forest.storage.cache(key, list(range(100, 112)), author.to(torch.int32), 0, 12)
+    allocator.free(author)
+    old = forest.segments.entries[key]
+    reader = reading_req(forest, 1, [SegmentSpan(2, 14, "a")], 20)
+    forest.restore_segments(SimpleNamespace(reqs=[reader]), lambda: None)
+    forest.settle([forest.planned.pop(1)], None, None)  # the reader reads all 12 of the Master's slots
+    forest.leads = lambda req: True
+    leader = reading_req(forest, 2, [SegmentSpan(4, 16, "a")], 20)
+    forest.restore_segments(SimpleNamespace(reqs=[leader]), lambda: None)
+    state = forest.requests[leader]
+    assert state.leads and not forest.planned and state.counts.reused_tokens == 0  # computed exactly
+    forest.insert_segments(leader, state, up_to=20)
+    new = forest.segments.entries[key]
+    assert new is not old and torch.equal(new.slots, rows[2, 4:16].long()) and state.counts.round_master_tokens == 12
+    assert forest.storage.retired == [old] and forest.segments.stats(1)["segments_superseded"] == 1
+    assert torch.equal(rows[1, 2:14].long(), old.slots)  # the live reader is untouched
+    # SGLang's busy check: the reader's 20 positions, the leader's outside its block (its checkpoint
+    # puts the block in the tree, not counted as its own)
+    assert allocator.available_size() + forest.evictable_size() + forest.protected_size() + 20 + 8 == 64
+    forest.leads = lambda req: False
+    follower = reading_req(forest, 3, [SegmentSpan(0, 12, "a")], 14)
+    forest.restore_segments(SimpleNamespace(reqs=[follower]), lambda: None)
+    assert torch.equal(rows[3, :12].long(), new.slots)  # later readers read the leader's KV
+    forest.settle([forest.planned.pop(3)], None, None)
+    release(forest, reader, 20)
+    assert forest.storage.retired == [] and not allocator.refs.refs[old.slots].any()  # freed with its last reader
+    release(forest, follower, 14)
+    release(forest, leader, 20)
+    assert 64 - allocator.available_size() == forest.evictable_size() == 12  # the new Master alone
+
+
+def test_dense_storage_replaces_a_superseded_master_copy_at_once():
+    forest = dense_forest(16)
+    allocator = forest.token_to_kv_pool_allocator
+    key = ((None, None), "s")
+    author = allocator.alloc(6)
+    forest.storage.cache(key, list(range(100, 106)), author.to(torch.int32), 0, 6)
+    old = forest.segments.entries[key].slots.clone()
+    assert forest.storage.cache(key, list(range(100, 106)), author.to(torch.int32), 0, 6) == 0  # a duplicate
+    assert forest.storage.cache(key, list(range(100, 106)), author.to(torch.int32), 0, 6, replace=True) == 6
+    assert not torch.equal(forest.segments.entries[key].slots, old) and forest.segments.tokens == 6
+    assert allocator.available_size() == 16 - 6 - 6 and forest.storage.retired == []
+    stats = forest.segments.stats(1)
+    assert (stats["segment_duplicates"], stats["segments_superseded"], stats["segments_evicted"]) == (1, 1, 0)

@@ -28,6 +28,9 @@ class Req(SimpleNamespace):
     __hash__ = object.__hash__  # SGLang's Req is hashed by identity
     __eq__ = object.__eq__
 
+    def finished(self) -> bool:
+        return getattr(self, "done", False)
+
 
 def req(name: str, round_id: str | None = None, size: int | None = None, hashes=(), output_ids=()):
     payload = {"segments": [{"start": 0, "end": 1, "hash": h} for h in hashes]}
@@ -63,10 +66,10 @@ class Scheduler:
         return self.batches[-1]
 
 
-def setup(window_ms: float = 100.0, min_shared: int = 0, budget: int = 100):
+def setup(window_ms: float = 100.0, min_shared: int = 0, budget: int = 100, leader: bool = False):
     clock = Clock()
-    policy = RoundPolicy(TokenDanceArgs(round_window_ms=window_ms, round_min_shared=min_shared), RequestOptionsCache(),
-                         clock=clock)
+    args = TokenDanceArgs(round_window_ms=window_ms, round_min_shared=min_shared, round_leader=leader)
+    policy = RoundPolicy(args, RequestOptionsCache(), clock=clock)
     return clock, Scheduler(policy, budget)
 
 
@@ -85,6 +88,39 @@ def test_staggered_round_is_admitted_in_one_batch_and_plain_requests_pass():
     stats = sched.policy.grouper.stats()
     assert stats["largest_group_admitted"] == 3 and stats["rounds_formed"] == 1 and stats["fallbacks"] == 0
     assert stats["wait_added_s"] == pytest.approx(0.05 + 0.02) and stats["tracked_requests"] == 0
+
+
+def test_led_round_admits_its_leader_alone_then_the_others_after_its_first_token():
+    clock, sched = setup(leader=True)
+    a, b, c = req("a", "r", 3, hashes=["x"]), req("b", "r", 3, hashes=["x", "y"]), req("c", "r", 3, hashes=["x"])
+    sched.waiting_queue += [a, b, c, req("plain")]
+    leads = []
+    sched.original = lambda scheduler, running: (leads.append([r.rid for r in sched.waiting_queue
+                                                               if sched.policy.leads(r)]),
+                                                 Scheduler.original(sched, scheduler, running))[1]
+    assert sched.schedule() == ["b", "plain"] and leads[-1] == ["b"]  # b holds the most blocks
+    assert sched.schedule() == [] and [r.rid for r in sched.waiting_queue] == ["a", "c"]
+    b.output_ids.append(7)  # its prefill is done
+    assert sched.schedule() == ["a", "c"] and leads[-1] == []
+    stats = sched.policy.grouper.stats()
+    assert stats["led_rounds"] == 1 and stats["tracked_requests"] == 0
+
+
+def test_led_round_goes_on_when_its_leader_ends_or_is_aborted():
+    clock, sched = setup(leader=True)
+    lead, follower = req("a", "r", 2), req("b", "r", 2)
+    sched.waiting_queue += [lead, follower]
+    assert sched.schedule() == ["a"]
+    lead.done = True  # e.g. aborted while running, before its first token
+    assert sched.schedule() == ["b"]
+    lead, follower = req("c", "s", 2), req("d", "s", 2)
+    sched.waiting_queue += [lead, follower]
+    sched.budget = 0  # nothing admitted: the leader waits in the queue
+    assert sched.schedule() == []
+    sched.waiting_queue.remove(lead)  # aborted in the queue
+    sched.policy.forget_aborted(None, sched)
+    sched.budget = 100
+    assert sched.schedule() == ["d"]
 
 
 def test_released_group_stands_together_where_its_first_member_stood():

@@ -102,23 +102,31 @@ def test_labels_flags_and_cases():
             Setting.parse(bad)
     assert Workload.parse("N=6 w=40") == Workload(6, 40) and Workload.parse("N=4 w=60 chunk=128").chunked_prefill == 128
     assert Workload.parse(Workload(4, 60, 128).label) == Workload(4, 60, 128)
+    assert Workload.parse("N=10 round=all") == Workload(10, round="all")
+    assert Workload(10, round="lead").server_flags == ()
     with pytest.raises(ValueError, match="bad workload"):
         Workload.parse("agents=4")
-    argv = server_argv(DEFAULT, replace(CONFIG, model_path="/m"), 128)
+    with pytest.raises(ValueError, match="bad round mode"):
+        Workload.parse("N=4 round=first")
+    argv = server_argv(DEFAULT, replace(CONFIG, model_path="/m"), Workload(4, chunked_prefill=128).server_flags)
     flags = dict(zip(argv[::2], argv[1::2]))
     assert flags["--model-path"] == "/m" and flags["--chunked-prefill-size"] == "128"
     assert flags["--max-total-tokens"] == str(CONFIG.max_total_tokens)
     assert (flags["--tokendance-selection"], flags["--tokendance-recompute-ratio"], flags["--tokendance-check-layer"],
             flags["--tokendance-screen-layer"]) == ("attention-kv", "0.3", "2", "1")
     assert "--tokendance-max-approximate-tokens" not in flags
-    budgeted = server_argv(replace(DEFAULT, budget=200), CONFIG, 0)
+    budgeted = server_argv(replace(DEFAULT, budget=200), CONFIG)
     assert budgeted[-2:] == ["--tokendance-max-approximate-tokens", "200"]
-    assert server_argv(None, CONFIG, 0)[2:] == ["--disable-tokendance"]
-    plain = server_argv(Setting(PLAIN), replace(CONFIG, options=replace(CONFIG.options, sparse_writeback=False)), 0)
+    assert server_argv(None, CONFIG, Workload(4, round="all").server_flags)[2:] == ["--disable-tokendance"]
+    assert server_argv(DEFAULT, CONFIG, Workload(4, round="all").server_flags)[2] == "--no-tokendance-round-leader"
+    plain = server_argv(Setting(PLAIN), replace(CONFIG, options=replace(CONFIG.options, sparse_writeback=False)))
     assert plain[2:4] == ["--tokendance-recompute-ratio", "0.0"] and "--tokendance-selection" not in plain
     assert plain[-1] == "--no-tokendance-sparse-writeback"
     with pytest.raises(ValueError):
-        server_argv(Setting(FULL), CONFIG, 0)
+        server_argv(Setting(FULL), CONFIG)
+    cases = replace(CONFIG, workloads=(Workload(2, 25), Workload(3, 20), Workload(3, round="lead")),
+                    chunked_prefill=64).cases()
+    assert len(cases) == 2 * 3 + 2 and cases[-2:] == [(DEFAULT, Workload(2, 25, 64)), (DEFAULT, Workload(3, 20, 64))]
     cases = replace(CONFIG, workloads=(Workload(2, 25), Workload(3, 20)), chunked_prefill=64).cases()
     assert len(cases) == 2 * 2 + 2 and cases[-2:] == [(DEFAULT, Workload(2, 25, 64)), (DEFAULT, Workload(3, 20, 64))]
 

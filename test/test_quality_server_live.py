@@ -37,3 +37,38 @@ def test_server_blend_matches_in_process(server_url, smollm2_path):
     assert sample.server_first_tkl == pytest.approx(sample.inproc_first_tkl, rel=0.05, abs=1e-4)
     if sample.steps_compared:
         assert sample.server_decode_tkl == pytest.approx(sample.inproc_decode_tkl, rel=0.05, abs=1e-4)
+
+
+def test_a_round_goes_leader_first_and_the_others_read_its_blocks(server_url, smollm2_path):
+    """Under the server's round leader (the default): one member of a round of three is computed
+    exactly (the same answer as with nothing cached), its blocks' KV replaces the seeded
+    Masters, and the other two, admitted after its prefill, read them."""
+    import requests
+
+    from sglang_tokendance.bench.quality_server import truncated_kl
+
+    runner = QualityRunner(str(smollm2_path))
+    workload = Workload(3, 30, round="lead")
+    prompts = Prompts(runner, CONFIG, workload)
+    rounds = lambda: requests.get(server_url + "/server_info", timeout=60).json()["internal_states"][0]  # noqa: E731
+    led_before = rounds()["tokendance_rounds"]["led_rounds"]
+    outputs = answer(server_url, prompts, CONFIG, seed=True, desc="round")
+    infos = [out.reuse for out in outputs]
+    [leader] = [i for i, info in enumerate(infos) if info["round_master_tokens"] > 0]
+    assert infos[leader]["reused_tokens"] == infos[leader]["recomputed_tokens"] == 0
+    block_tokens = sum(end - start for start, end in outputs[leader].spans)
+    assert infos[leader]["round_master_tokens"] == block_tokens  # every seeded Master superseded
+    for i, info in enumerate(infos):
+        if i != leader:
+            assert info["round_master_tokens"] == 0 and info["segment_hits"] == workload.agents
+            assert info["reused_tokens"] > 0
+    state = rounds()
+    [record] = [r for r in state["tokendance_rounds"]["recent_rounds"] if r["round_id"] == f"quality {workload.label}"]
+    assert record["led"] and record["admitted"] == [1, 2]
+    assert state["tokendance_rounds"]["led_rounds"] == led_before + 1
+    assert state["tokendance_forest"]["segments_superseded"] >= workload.agents
+    alone = Prompts(runner, CONFIG, Workload(3, 30))  # the leader's prompt with nothing cached: a full prefill
+    alone.texts = [prompts.texts[leader]]
+    [exact] = answer(server_url, alone, CONFIG, seed=False, desc="alone")
+    assert exact.reuse.get("segment_hits", 0) == 0
+    assert truncated_kl(exact.tops[0], outputs[leader].tops[0]) < 1e-3  # a blended answer is ~1e-2 off

@@ -4,7 +4,9 @@ member costs only the window, an aborted held member leaves no state, overlappin
 form inferred rounds, and the round fields reach the scheduler from /generate, the OpenAI API
 and the frontend language. A round's members that read the same cached blocks in one batch
 run the collective blended prefill (aligned selection, one member probing). Bad round fields
-are 400s. After each: the leak invariant."""
+are 400s. After each: the leak invariant. This server admits a round all at once
+(--no-tokendance-round-leader); the leader's two steps on a live server:
+test_quality_server_live.py."""
 
 from __future__ import annotations
 
@@ -32,7 +34,8 @@ def server(tmp_path_factory):
     with ServerProcess(["--model-path", str(path), "--tokendance-round-window-ms", str(WINDOW_MS),
                         "--tokendance-round-min-shared", "2", "--tokendance-check-layer", "2",
                         "--tokendance-group-selection", "aligned", "--tokendance-group-probe", "1",
-                        "--enable-metrics", "--no-tokendance-exact-recurrence"]) as proc:  # rounds sent again reuse
+                        "--enable-metrics", "--no-tokendance-exact-recurrence",  # rounds sent again reuse
+                        "--no-tokendance-round-leader"]) as proc:
         yield proc.url
 
 

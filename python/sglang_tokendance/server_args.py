@@ -118,6 +118,12 @@ class TokenDanceArgs:
         "the requests of the last --tokendance-round-window-ms sharing that many with it, held for that window "
         "(0: rounds are only those clients name)."
     )
+    round_leader: bool = _option(
+        True, "A released round of two or more requests goes in two steps: its leader (the member holding the most "
+        "of the round's blocks) is prefilled exactly, its blocks' KV -- computed after the messages that precede "
+        "them in a round prompt -- replaces their Masters, then the others are admitted and read those "
+        "(--no-tokendance-round-leader: every member reads the Masters as cached, all admitted at once)."
+    )
     group_selection: str = _option(
         "per-request", "How a round group that shares a prefill batch selects the reused tokens to recompute: "
         "per-request (each request its own top share) or aligned (one kept set per segment two or more members "

@@ -79,6 +79,11 @@ MODES: dict[str, Mode] = {
     "tokendance-collective": Mode("tokendance-collective", stock=False, marked=True, rounds=True,
                                   server_args=("--tokendance-group-selection", "aligned",
                                                "--tokendance-group-probe", "1")),
+    # named rounds under the defaults: each round's leader prefilled exactly first, its blocks the others' Masters
+    "tokendance-rounds": Mode("tokendance-rounds", stock=False, marked=True, rounds=True),
+    # named rounds admitted all at once, reading the authors' Masters
+    "tokendance-rounds-at-once": Mode("tokendance-rounds-at-once", stock=False, marked=True, rounds=True,
+                                      server_args=("--no-tokendance-round-leader",)),
     "tokendance-mirror": Mode("tokendance-mirror", stock=False, marked=True,  # zero-copy Master-Mirror storage
                               server_args=("--tokendance-storage", "mirror")),
     # Master-Mirror storage with each agent's finished row kept for its next prompt (--conversation)

@@ -17,6 +17,12 @@ sides decoded the same inputs. The measure is a truncated KL over the reference'
 same K, teacher-forced on the reference server's output at the same steps, so the two are
 comparable prompt by prompt; it also gives its own greedy agreement, reuse counts, the
 full-vocabulary KLs, and the noise floor (reference server vs in-process full prefill).
+
+A workload with `round` sends all N agents' prompts at once as one round (`tokendance.round`)
+and measures each of them: `round=lead` under the server's round leader (its leader is
+computed exactly and its blocks become the Masters the others read), `round=all` with
+`--no-tokendance-round-leader`. The in-process side has no round: there, server and
+in-process differ by design, and the server's measure is the one to read.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
@@ -40,28 +47,42 @@ from sglang_tokendance.bench.server_process import flush_cache
 
 TopK = Mapping[int, float]  # token id -> logprob (normalised over the whole vocabulary)
 REQUEST_TIMEOUT = 1800
+ROUND_MODES = ("", "lead", "all")  # a workload's prompts: one at a time, or one round with or without a leader
 
 
 @dataclass(frozen=True)
 class Workload:
-    """One server workload: N agents, message length, and the servers' chunked-prefill size."""
+    """One server workload: N agents, message length, the servers' chunked-prefill size, and
+    whether its prompts go as one round (ROUND_MODES; see the module's notes)."""
 
     agents: int
     block_words: int = 60
     chunked_prefill: int = 0  # --chunked-prefill-size of both servers (0: SGLang's default)
+    round: str = ""
+
+    def __post_init__(self) -> None:
+        if self.round not in ROUND_MODES:
+            raise ValueError(f"bad round mode {self.round!r}: one of lead, all")
 
     @property
     def label(self) -> str:
         chunk = f" chunk={self.chunked_prefill}" if self.chunked_prefill else ""
-        return f"N={self.agents} w={self.block_words}{chunk}"
+        return f"N={self.agents} w={self.block_words}{chunk}" + (f" round={self.round}" if self.round else "")
+
+    @property
+    def server_flags(self) -> tuple[str, ...]:
+        """What a TokenDance server answering this workload is started with, beyond its setting."""
+        chunk = ("--chunked-prefill-size", str(self.chunked_prefill)) if self.chunked_prefill else ()
+        return chunk + (("--no-tokendance-round-leader",) if self.round == "all" else ())
 
     @classmethod
     def parse(cls, label: str) -> "Workload":
-        """The inverse of `label` ("N=6 w=40", "N=4 w=60 chunk=128")."""
+        """The inverse of `label` ("N=6 w=40", "N=4 w=60 chunk=128", "N=10 round=lead")."""
         values = dict(f.split("=", 1) for f in label.split() if "=" in f)
-        if len(values) != len(label.split()) or not {"N"} <= set(values) <= {"N", "w", "chunk"}:
-            raise ValueError(f"bad workload {label!r}: write 'N=AGENTS [w=BLOCK_WORDS] [chunk=CHUNKED_PREFILL_SIZE]'")
-        return cls(int(values["N"]), int(values.get("w", 60)), int(values.get("chunk", 0)))
+        if len(values) != len(label.split()) or not {"N"} <= set(values) <= {"N", "w", "chunk", "round"}:
+            raise ValueError(f"bad workload {label!r}: write 'N=AGENTS [w=BLOCK_WORDS] [chunk=CHUNKED_PREFILL_SIZE] "
+                             "[round=lead|all]'")
+        return cls(int(values["N"]), int(values.get("w", 60)), int(values.get("chunk", 0)), values.get("round", ""))
 
 
 @dataclass(frozen=True)
@@ -81,7 +102,7 @@ class ServerConfig:
     def cases(self) -> list[tuple[Setting, Workload]]:
         """Every setting on every workload, then the first setting on the chunked workloads."""
         chunked = [Workload(w.agents, w.block_words, self.chunked_prefill) for w in self.workloads
-                   if self.chunked_prefill and not w.chunked_prefill]
+                   if self.chunked_prefill and not w.chunked_prefill and not w.round]
         return [(s, w) for s in self.settings for w in self.workloads] + [(self.settings[0], w) for w in chunked]
 
 
@@ -146,7 +167,8 @@ class ServerOutput:
             raise ValueError(f"{len(tops)} top-logprob lists for {len(response['output_ids'])} output tokens")
         return cls(list(response["output_ids"]), tops, meta["prompt_tokens"],
                    [(s["start"], s["end"]) for s in info.get("segments", [])],
-                   {k: info[k] for k in ("reused_tokens", "recomputed_tokens", "segment_hits") if k in info})
+                   {k: info[k] for k in ("reused_tokens", "recomputed_tokens", "segment_hits", "round_master_tokens")
+                    if k in info})
 
 
 def compared_steps(reference: Sequence[int], blended: Sequence[int], decode_steps: int) -> range:
@@ -208,15 +230,15 @@ def post(url: str, body: dict) -> dict:
     return r.json()
 
 
-def server_argv(setting: Setting | None, config: ServerConfig, chunked_prefill: int) -> list[str]:
-    """Launcher flags: a TokenDance server at `setting`, or None: --disable-tokendance."""
+def server_argv(setting: Setting | None, config: ServerConfig, workload_flags: Sequence[str] = ()) -> list[str]:
+    """Launcher flags: a TokenDance server at `setting`, or None: --disable-tokendance (of the
+    workload's flags, only its chunk size then)."""
     options = config.options
     argv = ["--model-path", config.model_path] if config.model_path else []
     argv += ["--max-total-tokens", str(config.max_total_tokens)]
-    if chunked_prefill:
-        argv += ["--chunked-prefill-size", str(chunked_prefill)]
     if setting is None:
-        return argv + ["--disable-tokendance"]
+        return argv + [f for f in workload_flags if f != "--no-tokendance-round-leader"] + ["--disable-tokendance"]
+    argv += list(workload_flags)
     if setting.rule == FULL:
         raise ValueError("the full prefill is the --disable-tokendance server")
     argv += ["--tokendance-recompute-ratio", str(setting.ratio),
@@ -241,8 +263,8 @@ class Prompts:
         self.sim: Simulation = make_simulation(preset_config(
             "generative_agents", num_agents=workload.agents, num_rounds=1, history_words=config.history_words,
             block_words=workload.block_words, max_new_tokens=config.decode_steps + 1, seed=config.seed))
-        self.texts = [runner.agent_text(self.sim, i, 0, self.sim.seed_messages)
-                      for i in range(min(workload.agents, config.prompts_per_n))]
+        measured = workload.agents if workload.round else min(workload.agents, config.prompts_per_n)
+        self.texts = [runner.agent_text(self.sim, i, 0, self.sim.seed_messages) for i in range(measured)]
         self.prompts: list[SegmentedPrompt] = [runner.segmented(t) for t in self.texts]
         self.seed_texts = [runner.seed_text(self.sim, j) for j in range(workload.agents)]
 
@@ -292,13 +314,21 @@ def serve(argv: list[str], workloads: list[Prompts], config: ServerConfig, seed:
 
 
 def answer(url: str, prompts: Prompts, config: ServerConfig, seed: bool, desc: str) -> list[ServerOutput]:
-    """The workload's prompts, one at a time, after a cache flush; with `seed`, each author's
-    message is cached first."""
+    """The workload's prompts after a cache flush, one at a time or (a round workload, on a
+    TokenDance server) all at once as one round; with `seed`, each author's message is cached first."""
     flush_cache(url)
     for text in prompts.seed_texts if seed else ():
         post(url, request_body(text, config, 1, with_logprobs=False))
-    return [ServerOutput.from_response(post(url, request_body(text, config, config.decode_steps + 1, True)))
-            for text in tqdm(prompts.texts, desc=f"{desc} {prompts.workload.label}", unit="prompt")]
+    bodies = [request_body(text, config, config.decode_steps + 1, True) for text in prompts.texts]
+    label = prompts.workload.label
+    if not (prompts.workload.round and seed):
+        return [ServerOutput.from_response(post(url, body)) for body in tqdm(bodies, desc=f"{desc} {label}",
+                                                                               unit="prompt")]
+    options = {"round": f"quality {label}", "round_size": len(bodies)}
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        answers = list(tqdm(pool.map(lambda body: post(url, {**body, "tokendance": options}), bodies),
+                            total=len(bodies), desc=f"{desc} {label}", unit="prompt"))
+    return [ServerOutput.from_response(a) for a in answers]
 
 
 @dataclass
@@ -356,13 +386,15 @@ def run(config: ServerConfig, runner: QualityRunner, saved: SavedAnswers) -> lis
     reference: dict[tuple[str, int], ServerOutput] = {}
     for chunk in sorted({w.chunked_prefill for w in workloads}):
         group = [p for w, p in workloads.items() if w.chunked_prefill == chunk]
-        reference |= serve(server_argv(None, config, chunk), group, config, False, f"full chunk={chunk}", saved)
+        argv = server_argv(None, config, Workload(1, chunked_prefill=chunk).server_flags)
+        reference |= serve(argv, group, config, False, f"full chunk={chunk}", saved)
     blended: dict[tuple[str, str, int], ServerOutput] = {}
     for setting in config.settings:
-        for chunk in sorted({w.chunked_prefill for s, w in config.cases() if s == setting}):
-            group = [workloads[w] for s, w in config.cases() if s == setting and w.chunked_prefill == chunk]
-            argv = server_argv(setting, config, chunk)
-            for (label, i), out in serve(argv, group, config, True, f"{setting.label} chunk={chunk}", saved).items():
+        for flags in dict.fromkeys(w.server_flags for s, w in config.cases() if s == setting):
+            group = [workloads[w] for s, w in config.cases() if s == setting and w.server_flags == flags]
+            argv = server_argv(setting, config, flags)
+            for (label, i), out in serve(argv, group, config, True, f"{setting.label} {' '.join(flags)}",
+                                         saved).items():
                 blended[setting.label, label, i] = out
     return compare_all(config, runner, workloads, reference, blended)
 

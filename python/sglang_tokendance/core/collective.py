@@ -8,6 +8,15 @@ named by the client (`RoundTag`), or inferred: with `min_shared` > 0 a request w
 joins the open inferred round of its namespace whose segment hashes it shares at least
 `min_shared` of (a round with no known size is held for its whole window).
 
+With `lead`, a released group of two or more members goes in two steps: its leader first
+(the member holding the most of the group's segments), then, once the caller says the
+leader's prefill is done (`release_due`'s `led`), the others -- with them any member of the
+round that arrives meanwhile (a round released short by its window still gets one leader). The server computes the
+leader's prompt exactly and its blocks' KV -- computed in round context, after the
+messages that precede them -- becomes their Masters, so the others read blocks computed in
+a context close to their own rather than their authors' (where the error of a reused block
+grows with the messages its author never saw: core/selection's notes).
+
 Pure bookkeeping over opaque hashable items and a caller-supplied clock, so it is tested
 without SGLang; srt/policy.py feeds it SGLang's Req objects and the scheduler's waiting
 queue. A group lives from its first arrival until its last member is admitted or leaves, and
@@ -24,7 +33,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Generic, Hashable, Iterable, Sequence, TypeVar
+from typing import Callable, Generic, Hashable, Iterable, Sequence, TypeVar
 
 MAX_ROUND_SIZE = 4096  # a larger `round_size` is refused (a 400)
 MAX_ROUND_ID_CHARS = 256
@@ -51,6 +60,7 @@ class RoundRecord:
     fallback: bool  # its window expired before `size` members arrived
     wait_s: float  # summed over members: release time - arrival time
     admitted: list[int] = field(default_factory=list)  # members admitted per prefill batch
+    led: bool = False  # its leader went first, the others after its prefill
 
 
 @dataclass
@@ -67,10 +77,20 @@ class RoundGroup(Generic[T]):
     hashes: set[str] = field(default_factory=set)  # union of the members' segment hashes
     arrived: int = 0  # members that arrived, including ones that left since
     record: RoundRecord | None = None  # set on release
+    leader: T | None = None  # released first; the others are held until its prefill is done
+    released_at: float = 0.0
 
     @property
     def released(self) -> bool:
         return self.record is not None
+
+    def follows(self, item: T) -> bool:
+        """Whether `item` is held behind its group's leader."""
+        return self.leader is not None and item != self.leader
+
+    def choose_leader(self) -> T:
+        """The member that holds the most of the group's segments (the first to arrive, of equals)."""
+        return max(self.members, key=lambda m: len(self.members[m]))
 
     def due(self, now: float, window_s: float) -> bool:
         complete = self.size is not None and self.arrived >= self.size
@@ -78,15 +98,17 @@ class RoundGroup(Generic[T]):
 
 
 class RoundGrouper(Generic[T]):
-    def __init__(self, window_s: float, min_shared: int = 0):
+    def __init__(self, window_s: float, min_shared: int = 0, lead: bool = False):
         self.window_s = window_s
         self.min_shared = min_shared
+        self.lead = lead  # released groups go leader first (see the module's notes)
         self.open: dict[Hashable, RoundGroup[T]] = {}  # holding, by key, in opening order
+        self.leading: dict[int, RoundGroup[T]] = {}  # by id (a round id may reopen): released, the others waiting
         self.group_of: dict[T, RoundGroup[T]] = {}  # members held, or released and not yet admitted
         self.free: set[T] = set()  # known items with no group (never held)
         self.stragglers: dict[Hashable, tuple[float, int | None]] = {}  # key -> (closed at, members still due)
         self.recent: deque[RoundRecord] = deque(maxlen=RECENT_ROUNDS)
-        self.rounds = self.members = self.fallbacks = self.largest_admitted = 0
+        self.rounds = self.members = self.fallbacks = self.largest_admitted = self.led = 0
         self.wait_s = 0.0
         self._serial = itertools.count()
 
@@ -107,6 +129,9 @@ class RoundGrouper(Generic[T]):
         group.arrivals[item] = now
         group.hashes.update(hashes)
         group.arrived += 1
+        if group.record is not None:  # a late member behind a leader still prefilling
+            group.record.members += 1
+            self.members += 1
         self.group_of[item] = group
         return group
 
@@ -116,6 +141,9 @@ class RoundGrouper(Generic[T]):
             key = (namespace, tag.round_id)
             if key in self.open:
                 return self.open[key]
+            led = next((g for g in self.leading.values() if g.key == key and g.leader is not None), None)
+            if led is not None:
+                return led  # a late member joins the others behind the leader still prefilling
             if self._straggler(key, now):
                 return None
             return self._open(RoundGroup(key, tag.round_id, tag.size, now, inferred=False))
@@ -149,10 +177,16 @@ class RoundGrouper(Generic[T]):
 
     def is_held(self, item: T) -> bool:
         group = self.group_of.get(item)
-        return group is not None and not group.released
+        return group is not None and (not group.released or group.follows(item))
 
-    def release_due(self, now: float) -> list[RoundRecord]:
-        """Release every open group that is complete or whose window has expired."""
+    def leads(self, item: T) -> bool:
+        """Whether `item` is a released group's leader, not yet admitted."""
+        group = self.group_of.get(item)
+        return group is not None and group.released and group.leader == item
+
+    def release_due(self, now: float, led: Callable[[T], bool] = lambda leader: True) -> list[RoundRecord]:
+        """Release every open group that is complete or whose window has expired (with `lead`:
+        its leader alone), and the others of every group whose leader `led` says is done."""
         self.stragglers = {k: v for k, v in self.stragglers.items() if now - v[0] < self.window_s}
         released = []
         for key, group in list(self.open.items()):
@@ -169,8 +203,23 @@ class RoundGrouper(Generic[T]):
             self.recent.append(group.record)
             if not group.inferred and (group.size is None or fallback):
                 self.stragglers[key] = (now, None if group.size is None else group.size - group.arrived)
+            if self.lead and len(group.members) >= 2:
+                group.leader, group.released_at, group.record.led = group.choose_leader(), now, True
+                self.leading[id(group)] = group
+                self.led += 1
             released.append(group.record)
+        for group in list(self.leading.values()):
+            if group.leader is None or led(group.leader):
+                self._follow(group, now)
         return released
+
+    def _follow(self, group: RoundGroup[T], now: float) -> None:
+        """The leader's prefill is done (or it left): the others go, their wait counted."""
+        del self.leading[id(group)]
+        group.leader = None
+        wait = sum(now - max(group.released_at, group.arrivals[m]) for m in group.members)
+        group.record.wait_s += wait
+        self.wait_s += wait
 
     def admitted(self, items: Iterable[T]) -> None:
         """One prefill batch was formed from `items`: its members are no longer tracked."""
@@ -180,7 +229,7 @@ class RoundGrouper(Generic[T]):
             group = self.group_of.get(item)
             if group is None or not group.released:
                 continue
-            self._forget(item, group)
+            self._forget(item, group, admitted=True)
             counts[id(group)] = (group, counts.get(id(group), (group, 0))[1] + 1)
         for group, count in counts.values():
             group.record.admitted.append(count)
@@ -194,12 +243,16 @@ class RoundGrouper(Generic[T]):
         for item in [i for i in self.group_of if i not in present]:
             self._forget(item, self.group_of[item])
 
-    def _forget(self, item: T, group: RoundGroup[T]) -> None:
+    def _forget(self, item: T, group: RoundGroup[T], admitted: bool = False) -> None:
         del self.group_of[item]
         del group.members[item]
         group.arrivals.pop(item, None)
+        if group.leader == item and not admitted:
+            group.leader = None  # it left before its prefill: the others go without it
         if not group.members and not group.released:
             del self.open[group.key]  # nobody left to hold
+        if not group.members and group.leader is None:
+            self.leading.pop(id(group), None)
 
     # --- order ------------------------------------------------------------------------------
 
@@ -232,6 +285,7 @@ class RoundGrouper(Generic[T]):
             "fallbacks": self.fallbacks,
             "wait_added_s": self.wait_s,
             "largest_group_admitted": self.largest_admitted,
+            "led_rounds": self.led,
             "held_requests": sum(self.is_held(i) for i in self.group_of),
             "tracked_requests": len(self.group_of) + len(self.free),
             "open_rounds": len(self.open),

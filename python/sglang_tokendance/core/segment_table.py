@@ -61,6 +61,7 @@ class SegmentTable:
         self.duplicates = 0
         self.evicted = 0
         self.refused = 0
+        self.superseded = 0
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self.entries
@@ -93,11 +94,15 @@ class SegmentTable:
             entry.last_access_time = time.monotonic()
         return entry
 
-    def remove(self, entry: SegmentEntry) -> torch.Tensor:
-        """Drop an entry; returns its slots for the caller to free."""
+    def remove(self, entry: SegmentEntry, superseded: bool = False) -> torch.Tensor:
+        """Drop an entry (evicted, or `superseded` by a copy computed in a closer context);
+        returns its slots for the caller to free."""
         del self.entries[entry.key]
         self.tokens -= len(entry)
-        self.evicted += 1
+        if superseded:
+            self.superseded += 1
+        else:
+            self.evicted += 1
         return entry.slots
 
     def clear(self) -> list[torch.Tensor]:
@@ -116,4 +121,5 @@ class SegmentTable:
             "segment_duplicates": self.duplicates,
             "segments_evicted": self.evicted,
             "segments_refused": self.refused,
+            "segments_superseded": self.superseded,
         }

@@ -75,10 +75,12 @@ class SegmentForest(KeptMirrors):
     def __init__(self, params, keys: PoolKeys | None, reuse: bool, salt: bytes = b"",
                  blend: BlendOptions = BlendOptions(), rule: SelectionRule | None = None,
                  min_segment_tokens: int = 16, options: Callable[[object], RequestOptions] | None = None,
-                 group_of: Callable[[object], Hashable | None] = lambda req: None, exact_recurrence: bool = True,
+                 group_of: Callable[[object], Hashable | None] = lambda req: None,
+                 leads: Callable[[object], bool] = lambda req: False, exact_recurrence: bool = True,
                  cost: PrefillCost | None = None, max_approximate: int | None = None):
         self.options = options or RequestOptionsCache()  # each request's TokenDance options, parsed once
         self.group_of = group_of  # the key of the round group a request is admitted with (srt/policy)
+        self.leads = leads  # whether a request is admitted as its round's leader (srt/policy)
         self.keys = keys  # the pool's K form; None: no segments are cached (a plain radix cache)
         self.reuse = reuse and keys is not None
         self.salt = salt
@@ -163,8 +165,11 @@ class SegmentForest(KeptMirrors):
         state.uninserted = [span for span in state.uninserted if span.end > up_to]
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
         for span in ready:
-            self.storage.cache(state.key(span.hash), req.origin_input_ids[span.start:span.end], row, span.start,
-                               span.end - span.start)
+            superseded = self.storage.cache(state.key(span.hash), req.origin_input_ids[span.start:span.end], row,
+                                            span.start, span.end - span.start, replace=state.leads)
+            state.counts.round_master_tokens += superseded
+        if state.leads:
+            state.publish()
 
     def register_output(self, req, state: RequestReuse) -> None:
         """Cache a finished request's generated text as a segment (srt/output_registration)."""
@@ -223,7 +228,8 @@ class SegmentForest(KeptMirrors):
         if state is None and not is_lora(req):
             agent_prefix = req.prefix_len if is_kept(req.last_node) else 0
             state = RequestReuse.of(req, self.options(req), can_reuse=self.reuse and may_reuse(req),
-                                    agent_prefix=agent_prefix, sightings=self.sightings)
+                                    agent_prefix=agent_prefix, sightings=self.sightings,
+                                    leads=self.reuse and self.leads(req))
             if state is not None:
                 self.requests[req] = state
         return state
@@ -388,9 +394,9 @@ class SegmentForest(KeptMirrors):
 
 
 def build_forest(ctx: TreeCacheBuildContext, options: Callable[[object], RequestOptions],
-                 group_of: Callable[[object], Hashable | None]) -> SegmentForest:
+                 group_of: Callable[[object], Hashable | None], leads: Callable[[object], bool]) -> SegmentForest:
     """The `register_radix_cache_backend` factory (srt/runtime binds the request options and
-    the round policy of its scheduler)."""
+    the round policy of its scheduler: each request's round group, and whether it leads it)."""
     if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or ctx.enable_hierarchical_cache:
         raise ValueError("the tokendance radix cache supports full-attention models without HiCache")
     hf_config = ctx.model_config.hf_config
@@ -407,7 +413,7 @@ def build_forest(ctx: TreeCacheBuildContext, options: Callable[[object], Request
     cost = PrefillCost(hf_config.num_hidden_layers, blend, rule.needs_attention,
                        prefix_queries=backend == "torch_native") if args.cost_check else None
     return SegmentForest(ctx.params, keys, reuse=reuse, salt=model_salt_from_env(), blend=blend, rule=rule,
-                         min_segment_tokens=args.min_segment_tokens, options=options, group_of=group_of,
+                         min_segment_tokens=args.min_segment_tokens, options=options, group_of=group_of, leads=leads,
                          exact_recurrence=args.exact_recurrence, cost=cost,
                          max_approximate=args.approximate_budget)
 

@@ -124,6 +124,9 @@ class RoundMetrics:
     def count_round(self, record: RoundRecord) -> None:
         """A round group was released (complete, or its window expired)."""
 
+    def count_wait(self, seconds: float) -> None:
+        """Requests were held this long in all, for their round's members or its leader."""
+
 
 NO_ROUND_METRICS = RoundMetrics()
 
@@ -138,11 +141,17 @@ class PrometheusRoundMetrics(RoundMetrics):
         self.fallbacks = labelled_counter("sglang:tokendance_round_fallbacks_total",
                                           "Round groups released because their window expired before every "
                                           "member arrived.", labels)
+        self.led = labelled_counter("sglang:tokendance_rounds_led_total",
+                                    "Round groups whose leader was prefilled first, its blocks becoming their "
+                                    "Masters.", labels)
         self.wait = labelled_counter("sglang:tokendance_round_wait_seconds_total",
-                                     "Time requests were held for their round's other members.", labels)
+                                     "Time requests were held for their round's other members or its leader.", labels)
 
     def count_round(self, record: RoundRecord) -> None:
         self.rounds.inc()
         self.members.inc(record.members)
         self.fallbacks.inc(record.fallback)
-        self.wait.inc(record.wait_s)
+        self.led.inc(record.led)
+
+    def count_wait(self, seconds: float) -> None:
+        self.wait.inc(seconds)

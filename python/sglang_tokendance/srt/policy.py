@@ -15,6 +15,11 @@ scheduler through HookRegistry:
   queue are forgotten at once (a held round keeps counting them as arrived).
 * AFTER `Scheduler.get_internal_state`: /server_info shows the counts ("tokendance_rounds").
 
+Under --tokendance-round-leader (the default) a released group's leader is admitted alone
+first and the others stay held until its first token (`prefilled`); `leads(req)` tells the
+forest, while SGLang builds the leader's batch, to compute it exactly and make its blocks
+their Masters.
+
 Held requests stay SGLang's waiting requests in every other respect (abort, /flush_cache
 refusal, the idle check: a scheduler holding a request keeps polling, so windows expire).
 Requests that already produced output (retracted ones) are never held. While SGLang builds a
@@ -42,7 +47,8 @@ class RoundPolicy:
 
     def __init__(self, args: TokenDanceArgs, options: Callable[[Any], RequestOptions], clock=time.monotonic):
         self.options = options  # each request's options, parsed once (srt/request)
-        self.grouper: RoundGrouper[Any] = RoundGrouper(args.round_window_ms / 1000, args.round_min_shared)
+        self.grouper: RoundGrouper[Any] = RoundGrouper(args.round_window_ms / 1000, args.round_min_shared,
+                                                       lead=args.round_leader)
         self.clock = clock
         self.metrics: RoundMetrics | None = None  # built on the first pass, when SGLang's are known
 
@@ -52,8 +58,10 @@ class RoundPolicy:
             self.metrics = _metrics_of(scheduler)
         before = scheduler.waiting_queue
         self.register_arrivals(before)
-        for record in self.grouper.release_due(self.clock()):
+        waited = self.grouper.wait_s
+        for record in self.grouper.release_due(self.clock(), led=prefilled):
             self.metrics.count_round(record)
+        self.metrics.count_wait(self.grouper.wait_s - waited)
         held = {id(r) for r in before if self.grouper.is_held(r)}
         if not held:
             plan = original(scheduler, *args, **kwargs)
@@ -95,6 +103,11 @@ class RoundPolicy:
         result.internal_state["tokendance_rounds"] = self.grouper.stats()
         return result
 
+    def leads(self, req) -> bool:
+        """Whether SGLang is admitting `req` as its round's leader: its prompt is computed
+        exactly and its blocks become their Masters (srt/forest)."""
+        return self.grouper.leads(req)
+
     def round_of(self, req) -> RoundGroup | None:
         """The group of a request SGLang is admitting (None: no round)."""
         return self.grouper.group_of.get(req)
@@ -112,6 +125,12 @@ class RoundPolicy:
         HookRegistry.register(f"{SCHEDULE_POLICY}.calc_priority", self.order, HookType.AFTER)
         HookRegistry.register(f"{SCHEDULER}.abort_request", self.forget_aborted, HookType.AFTER)
         HookRegistry.register(f"{SCHEDULER}.get_internal_state", self.add_stats, HookType.AFTER)
+
+
+def prefilled(req) -> bool:
+    """A leader's prefill is done once it produced its first token (or ended): its blocks are
+    cached by then (the forest caches segments at each chunk's checkpoint)."""
+    return req.finished() or len(req.output_ids) > 0
 
 
 def _put_back(before: list, held: set[int], after: list) -> list:

@@ -45,6 +45,7 @@ class ReuseCounts:
     agent_prefix_tokens: int = 0  # the prompt prefix read from its agent's kept Mirror (srt/kept_mirrors.py)
     exact_recurring_tokens: int = 0  # block tokens computed exactly where they recurred (core/recurrence.py)
     cost_fallback_tokens: int = 0  # matched block tokens computed because blending their chunk would not pay
+    round_master_tokens: int = 0  # its round's leader: block tokens whose exact KV replaced their Masters
 
     def compression(self) -> float | None:
         """Reused positions per own slot among them (1.0: a dense copy; None: no own slot)."""
@@ -95,6 +96,7 @@ class RequestReuse:
     options: RequestOptions  # its spans, output registration, agent (parsed once, srt/request)
     can_reuse: bool  # False: SGLang's own forward (input logprobs, hidden states, embeddings)
     reusable: list[SegmentSpan] = field(default_factory=list)  # the spans it may read from Masters
+    leads: bool = False  # its round's leader: computed exactly, its blocks replace their Masters
     first_reused: int = NOT_REUSED
     counts: ReuseCounts = field(default_factory=ReuseCounts)
     uninserted: list[SegmentSpan] = field(default_factory=list)  # spans not yet cached
@@ -109,13 +111,15 @@ class RequestReuse:
 
     @classmethod
     def of(cls, req, options: RequestOptions, can_reuse: bool, agent_prefix: int = 0,
-           sightings: Sightings | None = None) -> "RequestReuse | None":
+           sightings: Sightings | None = None, leads: bool = False) -> "RequestReuse | None":
         """The state of a request that carries segments, asks for output registration or
         names its agent (`options`, parsed once). `agent_prefix`: its matched prefix is its
         agent's kept Mirror, whose KV is approximate past its first reused token, so nothing of
         this row enters the shared tree or becomes a segment (its exact part is there already).
         `sightings`: the blocks seen before, each one that recurs at the request's exact
-        frontier is computed exactly (core/recurrence.py; None: every block may be reused)."""
+        frontier is computed exactly (core/recurrence.py; None: every block may be reused).
+        `leads`: the request leads its round (srt/policy): it reads no Master, and its blocks'
+        exact KV, computed in round context, replaces their Masters for the others to read."""
         if not options.concerns_tokendance:
             return None
         state = cls(req, namespace_of(req), options, can_reuse and bool(options.spans),
@@ -123,6 +127,8 @@ class RequestReuse:
         if agent_prefix:
             state.first_reused = 0
             state.counts.agent_prefix_tokens = agent_prefix
+        elif leads and state.can_reuse:
+            state.reusable, state.leads = [], True
         elif sightings is not None and state.can_reuse:
             state.compute_recurring(sightings.exact_until(state.namespace, req.origin_input_ids, options.spans,
                                                           req.prefix_len), req.prefix_len)

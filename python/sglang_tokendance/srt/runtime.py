@@ -31,12 +31,16 @@ class SchedulerRuntime:
 
     def build_forest(self, ctx) -> forest_module.SegmentForest:
         """The `register_radix_cache_backend` factory of the "tokendance" backend."""
-        self.forest = forest_module.build_forest(ctx, self.options, self.group_key)
+        self.forest = forest_module.build_forest(ctx, self.options, self.group_key, self.leads)
         return self.forest
 
     def group_key(self, req) -> Hashable | None:
         """The key of the round group SGLang is admitting `req` with (None: no round)."""
         return None if self.policy is None else self.policy.group_key(req)
+
+    def leads(self, req) -> bool:
+        """Whether SGLang is admitting `req` as its round's leader (srt/policy)."""
+        return self.policy is not None and self.policy.leads(req)
 
     def model_forward(self, original, model, input_ids, positions, forward_batch, *args, **kwargs):
         """AROUND hook on the decoder forwards (srt/model.FORWARD_HOOK_TARGETS)."""

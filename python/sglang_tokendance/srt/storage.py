@@ -14,6 +14,11 @@ pool that reuse needs, in the pool's K form (srt/kv_copy.PoolKeys):
 
 Each request's state (srt/reuse.RequestReuse) records the Masters its row reads, so
 `release` drops exactly its references and pins.
+
+A round's leader (srt/policy) caches its blocks with `replace`: its exact KV, computed in round
+context, supersedes the Master under the same key. A superseded Master that live rows still
+read stays held, out of the table, until its last reader lets go (`retired`), so a slot is
+never freed under a reader and the pool's accounting holds.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ class MasterStorage:
         self.req_to_token_pool = req_to_token_pool
         self.evict = evict  # the forest's eviction: free at least this many slots if it can
         self.segments = SegmentTable()
+        self.retired: list[SegmentEntry] = []  # superseded Masters that live rows still read
 
     @property
     def pool(self):
@@ -43,29 +49,42 @@ class MasterStorage:
 
     # --- Masters ----------------------------------------------------------------------------
 
-    def cache(self, key, ids: Sequence[int], row: torch.Tensor, start: int, length: int) -> None:
+    def cache(self, key, ids: Sequence[int], row: torch.Tensor, start: int, length: int,
+              replace: bool = False) -> int:
         """Row positions [start, start + length) -- the KV of `ids`, exact -- become the
         Master under `key`. Mirror storage: the Master takes a reference on those slots
         themselves (the tree or the request keeps its own). Dense storage: they are copied into
         new slots; a full pool makes room the way a tree insert would find it: by evicting what
         the eviction policy ranks first (never a live request's KV: its prefix is locked and its
         own slots are not evictable); when even that is not enough, the segment is not cached.
-        A duplicate is only counted."""
-        if key in self.segments:
+        A duplicate is only counted, unless `replace`: then the new KV supersedes the cached
+        Master (see the module's notes). Returns the tokens of the Master it superseded."""
+        old = self.segments.entries.get(key)
+        if old is not None and not (replace and length > 0):
             self.segments.count_duplicate(key)
-            return
+            return 0
+        if old is not None:
+            self._supersede(old)
         if self.zero_copy:
             if length > 0:
                 slots = row[start:start + length].to(torch.int64, copy=True)
                 self.allocator.hold(slots)
                 self.segments.insert(key, slots, ids)
-            return
+            return 0 if old is None else len(old)
         slots = self._alloc_evicting(length) if length > 0 else None
-        if slots is None:
-            return
-        positions = torch.arange(start, start + length, device=row.device)
-        copy_kv(self.pool, row[start:start + length].to(torch.int64), slots, positions, self.keys.unrotated)
-        self.segments.insert(key, slots, ids)
+        if slots is not None:
+            positions = torch.arange(start, start + length, device=row.device)
+            copy_kv(self.pool, row[start:start + length].to(torch.int64), slots, positions, self.keys.unrotated)
+            self.segments.insert(key, slots, ids)
+        return 0 if old is None else len(old)
+
+    def _supersede(self, entry: SegmentEntry) -> None:
+        """Take a Master out of the table: freed now, or retired until its last reader goes."""
+        self.segments.remove(entry, superseded=True)
+        if entry.readers:
+            self.retired.append(entry)
+        else:
+            self._free_master(entry.slots)
 
     def _alloc_evicting(self, length: int) -> torch.Tensor | None:
         """`length` new slots, evicting what the eviction policy ranks first when the pool is
@@ -85,7 +104,7 @@ class MasterStorage:
         self._free_master(self.segments.remove(entry))
 
     def clear(self) -> None:
-        """Every Master gone (the cache reset)."""
+        """Every Master gone (the cache reset: no live rows, so none is retired)."""
         for slots in self.segments.clear():
             self._free_master(slots)
 
@@ -183,6 +202,9 @@ class MasterStorage:
     def _unpin(self, entry: SegmentEntry) -> None:
         entry.readers -= 1
         self.allocator.refs.unpin(entry.slots)
+        if not entry.readers and entry in self.retired:
+            self.retired.remove(entry)
+            self._free_master(entry.slots)
 
     def _stop_reading(self, state: RequestReuse, entry: SegmentEntry) -> None:
         state.reading.remove(entry)
