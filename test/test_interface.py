@@ -182,7 +182,28 @@ BAD_REQUESTS = [
     ({"text": "a", "tokendance": {"register": True}}, "register_output"),
     ({"text": "a", "tokendance": "yes"}, "register_output"),
     ({"text": f"a{SEP}{SEP}b", "stream": True}, "empty"),
+    ({"text": "a", "custom_labels": {"tokendance": "{round"}}, "JSON text"),
+    ({"text": "a", "custom_labels": {"tokendance": '{"register": true}'}}, "register_output"),
+    ({"text": "a", "tokendance": {"round": "r"}, "custom_labels": {"tokendance": '{"round": "r"}'}}, "given twice"),
+    ({"text": "a", "custom_labels": {"tokendance": '{"round_size": 2}'}, "stream": True}, "needs"),
 ]
+
+
+def test_options_ride_in_the_string_maps_a_router_keeps(server):
+    """sglang-router drops a top-level `tokendance` on /generate and chat: the same object as JSON
+    text in `custom_labels` (/generate) or `metadata` (OpenAI) is read the same way."""
+    options = {"round": "r9", "round_size": 1}
+    direct = post(server, "/generate", {"text": "Hello", "tokendance": options,
+                                        "sampling_params": {"max_new_tokens": 4, "temperature": 0}}).json()
+    labelled = post(server, "/generate", {"text": "Hello", "custom_labels": {"tokendance": json.dumps(options)},
+                                          "sampling_params": {"max_new_tokens": 4, "temperature": 0}}).json()
+    assert direct["meta_info"]["tokendance"]["round"] == labelled["meta_info"]["tokendance"]["round"] == "r9"
+    assert labelled["output_ids"] == direct["output_ids"]
+    chat = post(server, "/v1/chat/completions", {"model": "m", "max_tokens": 4, "temperature": 0,
+                                                 "metadata": {"tokendance": json.dumps(options)},
+                                                 "messages": [{"role": "user", "content": "Hello"}]})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["metadata"]["tokendance"]["round_size"] == 1
 
 
 def test_bad_requests_get_400_and_good_ones_are_unchanged(server):

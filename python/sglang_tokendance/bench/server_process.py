@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+from abc import ABC, abstractmethod
 import socket
 import subprocess
 import sys
@@ -74,8 +75,57 @@ def flush_cache(url: str) -> None:
     requests.post(url + "/flush_cache", params={"timeout": 120}, timeout=180).raise_for_status()
 
 
-class ServerProcess:
-    """A server child in its own process group; `stop()` ends the whole group."""
+class ChildService(ABC):
+    """An HTTP service run as a child in its own process group, logging to a file; `stop()` ends
+    the whole group. Subclasses say when it is ready to serve (`ready`)."""
+
+    url: str
+    proc: subprocess.Popen
+    log_path: Path
+    kind = "server"
+
+    @abstractmethod
+    def ready(self) -> bool:
+        """Whether it serves now (a connection error counts as not yet)."""
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def wait_ready(self, timeout: float = 600.0):
+        """Block until `ready()`, or raise with the end of the child's log."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.kind} exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if self.ready():
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"{self.kind} not ready after {timeout:.0f} s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        """End the child and every process it spawned (they share its process group) at once.
+        SGLang's SIGTERM drains and then, when its scheduler got the signal too, sleeps 5 s
+        for crash diagnostics; a server this class started holds nothing that needs either."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self._log.close()
+
+    def __enter__(self):
+        return self.wait_ready()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class ServerProcess(ChildService):
+    """A server child (ours or stock SGLang); ready when /health answers 200."""
 
     def __init__(self, argv: list[str], *, stock: bool = False, port: int | None = None,
                  env: dict[str, str] | None = None, log_path: str | Path | None = None):
@@ -101,37 +151,5 @@ class ServerProcess:
             self.proc = subprocess.Popen([sys.executable, "-m", module, *argv], env=child_env, stdout=self._log,
                                          stderr=subprocess.STDOUT, start_new_session=True)
 
-    def log_tail(self, chars: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-chars:]
-
-    def wait_ready(self, timeout: float = 600.0) -> "ServerProcess":
-        """Block until /health answers 200, or raise with the end of the server's log."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if requests.get(self.url + "/health", timeout=5).status_code == 200:
-                    return self
-            except requests.RequestException:
-                pass
-            time.sleep(1.0)
-        self.stop()
-        raise TimeoutError(f"server not ready after {timeout:.0f} s:\n{self.log_tail()}")
-
-    def stop(self) -> None:
-        """End the server and every process it spawned (they share its process group) at once.
-        SGLang's SIGTERM drains and then, when its scheduler got the signal too, sleeps 5 s
-        for crash diagnostics; a server this class started holds nothing that needs either."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
-        self._log.close()
-
-    def __enter__(self) -> "ServerProcess":
-        return self.wait_ready()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+    def ready(self) -> bool:
+        return requests.get(self.url + "/health", timeout=5).status_code == 200

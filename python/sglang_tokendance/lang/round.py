@@ -4,7 +4,8 @@ The block sets a context variable that `sgl.gen` (lang/gen_options.py) reads whe
 a gen, so it tags the gens of programs run inside it: `program.run(...)` executes the program
 body in the caller's context, and `program.run_batch(...)`, whose worker threads do not
 inherit it, runs each body inside the block's round (SGLang's `run_program_batch` wrapped
-here). A gen that names its own `round` keeps it.
+here, with every other context variable of the caller's, such as lang/routing's simulation
+key). A gen that names its own `round` keeps it.
 """
 
 from __future__ import annotations
@@ -38,23 +39,20 @@ def round(round_id: str, size: int | None = None) -> Iterator[None]:
         _CURRENT.reset(token)
 
 
-def _in_round(func: Callable[..., Any], tag: tuple[str, int | None]) -> Callable[..., Any]:
+def _in_context(func: Callable[..., Any], context: contextvars.Context) -> Callable[..., Any]:
     @functools.wraps(func)
     def body(*args: Any, **kwargs: Any) -> Any:
-        with round(*tag):
-            return func(*args, **kwargs)
+        return context.copy().run(func, *args, **kwargs)  # one copy per thread: a context runs once at a time
 
     return body
 
 
 def _run_program_batch(original: Callable[..., Any], program, *args: Any, **kwargs: Any) -> Any:
-    tag = _CURRENT.get()
-    if tag is not None:
-        program = copy.copy(program)
-        program.func = _in_round(program.func, tag)
+    program = copy.copy(program)
+    program.func = _in_context(program.func, contextvars.copy_context())
     return original(program, *args, **kwargs)
 
 
 def install() -> None:
-    """Carry the block's round into run_batch's worker threads."""
+    """Carry the block's round (and the caller's other context) into run_batch's worker threads."""
     wrap_method(interpreter, "run_program_batch", _run_program_batch)

@@ -6,6 +6,8 @@
 * /v1/chat/completions: when a message holds a separator, the template renders the chat to
   text (SGLang's own render step, markers intact) and the text is sent on instead of SGLang's
   ids, so the same splitting applies; the template's own text is private text between segments.
+* The client's options come from its `tokendance` field, or as JSON text in the string map a
+  router passes on (`custom_labels` on /generate, `metadata` on OpenAI requests; srt/request).
 * Offsets and hashes ride to the scheduler inside `sampling_params.custom_params` under a key
   that is always stripped from client input first, so clients can never supply them.
 * Every /generate response gets `meta_info["tokendance"]`; non-streaming OpenAI responses
@@ -22,7 +24,7 @@ from typing import Any
 from sglang_tokendance.core.segments import Piece, SegmentError, Segmenter
 from sglang_tokendance.served_model import model_salt_from_env
 from sglang_tokendance.server_args import TokenDanceArgs
-from sglang_tokendance.srt.request import CARRIER_KEY, RequestOptions
+from sglang_tokendance.srt.request import CARRIER_KEY, RequestOptions, client_options, strip_router_carrier
 
 REUSE_INFO_KEY = "tokendance_reuse"  # scheduler -> meta_info: reused / computed token counts
 TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
@@ -92,17 +94,16 @@ async def _generate_request(original, args, tokenizer_manager, obj, request, *re
     from sglang.srt.managers.io_struct import GenerateReqInput
 
     if isinstance(obj, GenerateReqInput):
-        segments = options = None
+        body = None
         if request is not None and request.url.path.endswith(("/generate", "/completions")):
             body = await request.json()
-            options = body.get("tokendance") if isinstance(body, dict) else None
-            if request.url.path.endswith("/generate"):
-                segments = body.get("segments")
+        segments = body.get("segments") if isinstance(body, dict) and request.url.path.endswith("/generate") else None
         chat = request is not None and request.url.path.endswith("/chat/completions")
         try:
+            options = RequestOptions.from_client(client_options(body), args.mirror_storage)
+            strip_router_carrier(obj)
             apply_segments(obj, segments_field=segments, from_chat=chat,
-                           segmenter=segmenter_of(tokenizer_manager, args),
-                           options=RequestOptions.from_client(options, args.mirror_storage))
+                           segmenter=segmenter_of(tokenizer_manager, args), options=options)
         except SegmentError as e:
             raise ValueError(str(e)) from None
     async for out in original(tokenizer_manager, obj, request, *rest, **kw):
@@ -256,7 +257,7 @@ def _streaming_contract_error(args: TokenDanceArgs, body: Any) -> str | None:
     try:
         apply_segments(obj, segments_field=body.get("segments"), from_chat=False,
                        segmenter=segmenter_of(_global_state.tokenizer_manager, args),
-                       options=RequestOptions.from_client(body.get("tokendance"), args.mirror_storage))
+                       options=RequestOptions.from_client(client_options(body), args.mirror_storage))
     except SegmentError as e:
         return str(e)
     return None

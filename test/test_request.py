@@ -1,0 +1,49 @@
+"""A request's TokenDance options: where a client may put them (srt/request.client_options)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from sglang_tokendance.core.segments import SegmentError
+from sglang_tokendance.srt.request import RequestOptions, client_options, strip_router_carrier
+
+OPTIONS = {"round": "r1", "round_size": 4}
+
+
+@pytest.mark.parametrize("body", [
+    {"tokendance": OPTIONS},
+    {"custom_labels": {"team": "a", "tokendance": json.dumps(OPTIONS)}},
+    {"metadata": {"tokendance": json.dumps(OPTIONS)}},
+])
+def test_each_carrier_gives_the_same_options(body):
+    assert client_options(body) == OPTIONS
+    assert RequestOptions.from_client(client_options(body), mirror_storage=False).round.size == 4
+
+
+@pytest.mark.parametrize("body", [None, [], {}, {"custom_labels": {"team": "a"}}, {"metadata": None}])
+def test_no_options(body):
+    assert client_options(body) is None
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"custom_labels": {"tokendance": "{round"}}, "JSON text"),
+    ({"metadata": {"tokendance": "[1, 2]"}}, "JSON text"),
+    ({"metadata": {"tokendance": {"round": "r1"}}}, "JSON text"),  # an object, not its text
+    ({"tokendance": OPTIONS, "metadata": {"tokendance": json.dumps(OPTIONS)}}, "given twice"),
+    ({"custom_labels": {"tokendance": "{}"}, "metadata": {"tokendance": "{}"}}, "given twice"),
+])
+def test_bad_carriers_are_errors(body, message):
+    with pytest.raises(SegmentError, match=message):
+        client_options(body)
+
+
+def test_the_label_is_taken_out_and_other_labels_kept():
+    obj = SimpleNamespace(custom_labels={"team": "a", "tokendance": "{}"})
+    strip_router_carrier(obj)
+    assert obj.custom_labels == {"team": "a"}
+    alone = SimpleNamespace(custom_labels={"tokendance": "{}"})
+    strip_router_carrier(alone)
+    assert alone.custom_labels is None
