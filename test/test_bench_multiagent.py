@@ -19,6 +19,7 @@ class FakeServer:
 
     def __init__(self):
         self.bodies: list[dict] = []
+        self.keys: list[str | None] = []  # each request's routing key (SGLang's router)
         self.fail_every = 0  # when set, every fail_every-th request gets a 503
         self.loop = asyncio.new_event_loop()
         self.app = web.Application()
@@ -41,6 +42,7 @@ class FakeServer:
     async def generate(self, request):
         body = await request.json()
         self.bodies.append(body)
+        self.keys.append(request.headers.get("X-SMG-Routing-Key"))
         if self.fail_every and len(self.bodies) % self.fail_every == 0:
             return web.Response(status=503, text="overloaded")
         text = f"reply {len(self.bodies)}"
@@ -62,6 +64,11 @@ class FakeServer:
         return web.json_response({"loads": [{"num_used_tokens": 7}]})
 
 
+def opts(body: dict) -> dict:
+    """The TokenDance options a body carries: JSON text in `custom_labels` (passes a router)."""
+    return json.loads((body.get("custom_labels") or {}).get("tokendance", "{}"))
+
+
 class Progress:
     def __init__(self):
         self.n = 0
@@ -78,6 +85,7 @@ def fake():
 @pytest.mark.parametrize("mode", ["radix", "tokendance", "tokendance-collective"])
 def test_rounds_feed_outputs_forward(fake, mode):
     fake.bodies.clear()
+    fake.keys.clear()
     config = WorkloadConfig(**{**PRESETS["generative_agents"].__dict__, "num_agents": 3, "num_rounds": 3})
     progress = Progress()
     result = asyncio.run(run_load(fake.url, MODES[mode], config, 2, float("inf"), progress))
@@ -86,12 +94,15 @@ def test_rounds_feed_outputs_forward(fake, mode):
     assert all((SEP in b["text"]) == (mode != "radix") for b in fake.bodies)
     assert all(b["stream"] and b["sampling_params"]["temperature"] == 0 for b in fake.bodies)
     # TokenDance registers every output as the next round's shared block; stock gets no field.
-    assert all(b.get("tokendance", {}).get("register_output", False) == (mode != "radix") for b in fake.bodies)
-    rounds = {b["tokendance"]["round"] for b in fake.bodies if "round" in b.get("tokendance", {})}
+    assert all(opts(b).get("register_output", False) == (mode != "radix") for b in fake.bodies)
+    rounds = {opts(b)["round"] for b in fake.bodies if "round" in opts(b)}
     if mode == "tokendance-collective":  # a named round per session and round, of all its agents
-        assert len(rounds) == 6 and all(b["tokendance"]["round_size"] == 3 for b in fake.bodies)
+        assert len(rounds) == 6 and all(opts(b)["round_size"] == 3 for b in fake.bodies)
     else:
         assert not rounds
+    # one routing key per simulation, on every request of it
+    keys = {text_key for text_key in fake.keys}
+    assert len(keys) == 2 and None not in keys
     sim = make_simulation(config)
     # Round 0 of session 0 shares the seed messages; later rounds share real outputs.
     session0 = [b for b in fake.bodies if sim.agents[0].history.split("\n")[0] in b["text"]]
@@ -118,12 +129,12 @@ def test_a_conversation_prompt_extends_the_agents_previous_prompt_and_answer(fak
         replies = [r.text for r in result.requests if r.agent == agent]
         for before, after, reply in zip(bodies, bodies[1:], replies):
             assert after["text"].startswith(before["text"] + (SEP if mode != "radix" else "") + reply)
-        options = [b.get("tokendance", {}).get("agent") for b in bodies]
+        options = [opts(b).get("agent") for b in bodies]
         assert options == ([None] * 3 if mode == "radix" else [options[0]] * 3)
     computed = result.summary()["computed_tokens_by_round"]  # the fake reports 1 cached token and no computed count
     assert computed == {k: sum(r.prompt_tokens - 1 for r in result.requests if r.round == k) for k in range(3)}
     if mode != "radix":  # one name per agent, never another's
-        assert by_agent[0][0]["tokendance"]["agent"] != by_agent[1][0]["tokendance"]["agent"]
+        assert opts(by_agent[0][0])["agent"] != opts(by_agent[1][0])["agent"]
 
 
 def test_full_prefill_replay_sends_each_round_again_and_counts_identical_outputs(fake):
@@ -137,7 +148,7 @@ def test_full_prefill_replay_sends_each_round_again_and_counts_identical_outputs
     progress = Progress()
     answers = replay(fake.url, result.requests, 5, progress)
     assert progress.n == 4 and sorted(b["text"] for b in fake.bodies) == sorted(served)
-    assert all(b["sampling_params"] == {"max_new_tokens": 5, "temperature": 0} and "tokendance" not in b
+    assert all(b["sampling_params"] == {"max_new_tokens": 5, "temperature": 0} and "custom_labels" not in b
                and not b.get("stream") for b in fake.bodies)
     # Each answer is the one to its own prompt: the fake's outputs agree after even-length prompts only.
     same = [len(r.prompt) % 2 == 0 for r in result.requests]
@@ -369,3 +380,25 @@ def test_prefill_rows_are_fractions_of_radix_in_time_and_of_a_full_prefill_in_wo
     assert plain["time_fraction"] == pytest.approx(0.25) and plain["speedup"] == pytest.approx(4.0)
     assert plain["round0_time_fraction"] == pytest.approx(0.5)
     assert plain["work_fraction"] == pytest.approx(20 / 80)  # fresh tokens only, of the 80 past the radix prefix
+
+
+def test_scale_out_takes_one_mode_and_counts_every_cache():
+    from sglang_tokendance.bench.multiagent import RequestRecord
+    from sglang_tokendance.bench_multiagent import parse_args, reuse_share_by_round, scale_out_row
+
+    assert parse_args(["--workers", "2"]).modes == "tokendance-rounds"
+    assert parse_args([]).modes == "radix,no-cache,tokendance"
+    for bad in (["--workers", "1"], ["--workers", "2", "--modes", "radix,tokendance"],
+                ["--workers", "2", "--capacity"], ["--workers", "2", "--port", "30000"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+    result = RunResult("tokendance-rounds", 2, float("inf"), wall=2.0)
+    # (round, prompt, exact prefix, kept, recomputed): served from a cache = prefix + kept + recomputed
+    for round_index, prompt, cached, kept, recomputed in ((0, 100, 0, 0, 0), (0, 100, 10, 50, 20),
+                                                          (1, 200, 100, 40, 10), (1, 100, 0, 0, 0)):
+        result.requests.append(RequestRecord(0, round_index, 0, 0.1, 0.2, prompt, cached, 4, kept, "x",
+                                             recomputed_tokens=recomputed, segment_hits=1))
+    assert reuse_share_by_round(result) == {0: 80 / 200, 1: 150 / 300}
+    row = scale_out_row("2 workers, manual", result, [3, 0], {"idle": True})
+    assert row["reuse_share"] == 230 / 500 and row["rounds_per_worker"] == "3/0" and row["segment_hits"] == 4
+    assert row["completion_tokens_per_s"] == 16 / 2.0

@@ -7,7 +7,6 @@ router keeps (it drops a top-level `tokendance` on /generate)."""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,9 +15,10 @@ import pytest
 import requests
 
 from conftest import assert_no_leak
-from sglang_tokendance.bench.router_process import ROUTING_HEADER, RouterProcess
+from sglang_tokendance.bench.router_process import RouterProcess
 from sglang_tokendance.bench.server_process import ServerProcess, flush_cache
 from sglang_tokendance.core.segments import DEFAULT_SEPARATOR as SEP
+from sglang_tokendance.routing import ROUTING_HEADER, options_label
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +43,7 @@ def prompt(simulation: str, round_index: int, agent: int) -> str:
 def generate(url: str, text: str, key: str | None, options: dict | None = None, new_tokens: int = 4) -> dict:
     body = {"text": text, "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}}
     if options:
-        body["custom_labels"] = {"tokendance": json.dumps(options)}
+        body["custom_labels"] = options_label(options)
     headers = {ROUTING_HEADER: key} if key else {}
     response = requests.post(url + "/generate", json=body, headers=headers, timeout=300)
     assert response.status_code == 200, response.text
@@ -127,7 +127,7 @@ def test_keys_spread_simulations_over_the_workers_and_stick(manual_router, empti
     assert all(m["segment_hits"] == AGENTS for m in again)  # each key went back to its worker
     for key in keys[:2]:  # OpenAI chat: the same key, the options as JSON text in `metadata`
         chat = requests.post(manual_router.url + "/v1/chat/completions", headers={ROUTING_HEADER: key}, json={
-            "model": "m", "max_tokens": 2, "metadata": {"tokendance": json.dumps({"round": key})},
+            "model": "m", "max_tokens": 2, "metadata": options_label({"round": key}),
             "messages": [{"role": "user", "content": prompt(key, 0, 2)}]}, timeout=300)
         assert chat.status_code == 200, chat.text
         info = chat.json()["metadata"]["tokendance"]

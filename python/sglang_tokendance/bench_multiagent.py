@@ -14,6 +14,10 @@ stand-ins registered by untimed author prefills, bench/multiagent.py) at every N
 reports each mode's prefill time and work (token-layers computed) as fractions of a full
 prefill's -- the time measured against stock radix, the work counted from the server's
 reused/recomputed tokens.
+--workers K runs --num-sessions simulations at once on one worker, then on K workers behind
+SGLang's router (sglang-router) under each of --router-policies (manual: every request of a
+simulation carries its routing key), and reports the share of prompt tokens served from a
+cache against one worker's, how the rounds spread over the workers, latency and throughput.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import statistics
 import sys
 from dataclasses import asdict, replace
@@ -38,6 +43,7 @@ from sglang_tokendance.bench.workloads import PRESETS, WorkloadConfig
 
 DEFAULT_OUTPUT = Path("benchmark/results/multiagent.jsonl")
 SLO_FACTOR = 3.0  # auto SLO: a round may take 3x as long as one agent's round alone
+SCALE_OUT_MODE = "tokendance-rounds"  # named rounds, one routing key per simulation
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -48,8 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--base-url", default=None)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=None)
-    p.add_argument("--modes", default="radix,no-cache,tokendance",
-                   help=f"systems to start and compare (from {', '.join(MODES)})")
+    p.add_argument("--modes", default=None,
+                   help=f"systems to start and compare (from {', '.join(MODES)}; default radix,no-cache,tokendance, "
+                        f"with --workers {SCALE_OUT_MODE})")
     p.add_argument("--model-path", default=None, help="default: the prepared SmolLM2-135M-Instruct")
     p.add_argument("--max-total-tokens", type=int, default=None, help="KV budget of started servers")
     p.add_argument("--preset", choices=sorted(PRESETS), default="generative_agents")
@@ -84,7 +91,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "the reported max agents is the median")
     p.add_argument("--slo-ms", type=float, default=0.0,
                    help=f"round-latency SLO for --capacity; 0 = {SLO_FACTOR}x one agent's round")
+    p.add_argument("--workers", type=int, default=0,
+                   help="scale-out: run --num-sessions simulations at once on one worker, then on this many "
+                        "workers behind SGLang's router under each --router-policies (one mode)")
+    p.add_argument("--router-policies", default="manual,cache_aware,round_robin",
+                   help="--workers: sglang-router policies; manual routes by each simulation's key")
     args = p.parse_args(argv)
+    args.modes = args.modes or (SCALE_OUT_MODE if args.workers else "radix,no-cache,tokendance")
     unknown = [m for m in args.modes.split(",") if m not in MODES]
     if unknown:
         p.error(f"unknown mode {unknown[0]!r} (known: {', '.join(MODES)})")
@@ -95,6 +108,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--prefill-only starts its own servers and cannot be combined with --capacity")
     if args.quality and (args.capacity or args.prefill_only or args.base_url or args.port):
         p.error("--quality compares the modes this command starts, without --capacity or --prefill-only")
+    if args.workers and (args.workers < 2 or "," in args.modes or args.capacity or args.quality
+                         or args.base_url or args.port):
+        p.error("--workers needs at least 2 workers, one mode, and starts its own servers (without --capacity "
+                "or --quality)")
     if args.capacity_repeats < 1:
         p.error(f"--capacity-repeats must be at least 1, got {args.capacity_repeats}")
     return args
@@ -133,12 +150,12 @@ class Systems:
     def modes(self) -> list[Mode]:
         return [self.running[0]] if self.running else [MODES[m] for m in self.args.modes.split(",")]
 
-    def serve(self, mode: Mode):
+    def serve(self, mode: Mode, env: dict[str, str] | None = None):
         if self.running:
             return _Running(self.running[1])
         from sglang_tokendance.bench.server_process import ServerProcess
 
-        return ServerProcess(server_argv(self.args, mode), stock=mode.stock)
+        return ServerProcess(server_argv(self.args, mode), stock=mode.stock, env=env)
 
 
 class _Running:
@@ -395,14 +412,94 @@ def prefill_rows(modes: list[Mode], agents: list[int], results: dict[tuple[str, 
     return rows
 
 
+def scale_out(args, systems: Systems, config: WorkloadConfig) -> tuple[list[dict], list[tuple[str, str]]]:
+    """--num-sessions simulations at once on one worker, then on --workers workers behind SGLang's
+    router under each policy, the workers emptied before each; reuse against one worker's. Every
+    worker has cores // K threads, so one worker uses 1/K of the machine: workers add hardware,
+    as GPUs would."""
+    from sglang_tokendance.bench.router_process import RouterProcess
+    from sglang_tokendance.bench.server_process import flush_cache
+
+    (mode,) = systems.modes()
+    # each worker its share of the cores (torch would give every worker all of them, and K workers'
+    # threads on the same cores slow each other down several times over)
+    threads = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.workers))}
+    setups = [("1 worker", "")] + [(f"{args.workers} workers, {p}", p) for p in args.router_policies.split(",")]
+    records, rows, results = [], [], []
+    with contextlib.ExitStack() as stack:
+        workers = [systems.serve(mode, threads) for _ in range(args.workers)]  # started together
+        for worker in workers:
+            stack.enter_context(worker)
+        for worker in workers:
+            warm_up(mode, worker.url, config, args.prefill_only)
+        for name, policy in setups:
+            for worker in workers:
+                flush_cache(worker.url)
+            before = [rounds_formed(w.url) for w in workers]
+            front = RouterProcess([w.url for w in workers], policy) if policy else contextlib.nullcontext(workers[0])
+            with front as entry:
+                idle = idle_check()
+                result = run(mode, entry.url, config, args.num_sessions, args.request_rate, name,
+                             args.prefill_only)
+            spread = [rounds_formed(w.url) - b for w, b in zip(workers, before)]
+            rows.append(scale_out_row(name, result, spread, idle))
+            results.append((name, result))
+            records += [{"type": "request", "setup": name, **asdict(r)} for r in result.requests]
+            records += [{"type": "round", "setup": name, **asdict(r)} for r in result.rounds]
+    for row in rows:
+        row["reuse_vs_1_worker"] = row["reuse_share"] / rows[0]["reuse_share"] if rows[0]["reuse_share"] else 0.0
+    records += [{"type": "scale_out", **r} for r in rows]
+    if not args.no_plot:
+        by_round = {name: reuse_share_by_round(r) for name, r in results}
+        latency = {name: r.summary()["round_latency_by_round_s"] for name, r in results}
+        report.plot_panels(Path(f"{args.output_file.with_suffix('')}_scale_out.png"),
+                           f"{args.num_sessions} simulations, {mode.name}", [
+            report.Panel("Prompt tokens served from a cache", "round", "share of prompt tokens",
+                         {k: (list(v), list(v.values())) for k, v in by_round.items()}),
+            report.Panel("Round latency", "round", "seconds",
+                         {k: (list(v), list(v.values())) for k, v in latency.items()})])
+    return records, [("Scale-out behind SGLang's router", report.markdown_table(rows, [
+        "setup", "reuse_share", "reuse_vs_1_worker", "segment_hits", "exact_cached_tokens", "prompt_tokens",
+        "rounds_per_worker", "mean_round_latency_s", "completion_tokens_per_s", "errors", "idle"]))]
+
+
+def rounds_formed(url: str) -> int:
+    import requests
+
+    info = requests.get(url + "/server_info", timeout=60).json()["internal_states"][0]
+    return info["tokendance_rounds"]["rounds_formed"]
+
+
+def served_from_cache(r: RequestRecord) -> int:
+    """Prompt tokens not computed from scratch: the radix tree's exact prefix, segments' KV."""
+    return r.cached_tokens + r.reused_tokens + r.recomputed_tokens
+
+
+def reuse_share_by_round(result: RunResult) -> dict[int, float]:
+    rounds = sorted({r.round for r in result.requests})
+    mine = {k: [r for r in result.requests if r.round == k] for k in rounds}
+    return {k: sum(map(served_from_cache, v)) / max(1, sum(r.prompt_tokens for r in v)) for k, v in mine.items()}
+
+
+def scale_out_row(name: str, result: RunResult, spread: list[int], idle: dict) -> dict:
+    summary = result.summary()
+    served = sum(map(served_from_cache, result.requests))
+    return {"setup": name, "reuse_share": served / max(1, summary["prompt_tokens"]),
+            "segment_hits": sum(r.segment_hits for r in result.requests),
+            "exact_cached_tokens": summary["cached_tokens"], "prompt_tokens": summary["prompt_tokens"],
+            "rounds_per_worker": "/".join(map(str, spread)), "mean_round_latency_s": summary["mean_round_latency_s"],
+            "completion_tokens_per_s": summary["completion_tokens"] / summary["wall_s"],
+            "errors": summary["errors"], "idle": idle["idle"], "wall_s": summary["wall_s"]}
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     config = workload_config(args)
     systems = Systems(args)
     command = report.command_line("sglang_tokendance.bench_multiagent", argv)
-    records, sections = (prefill_sweep if args.prefill_only else capacity if args.capacity else compare)(
-        args, systems, config)
+    records, sections = (scale_out if args.workers else prefill_sweep if args.prefill_only
+                         else capacity if args.capacity else compare)(args, systems, config)
     meta = {"type": "meta", "command": command, "workload": asdict(config), "num_sessions": args.num_sessions,
             "request_rate": args.request_rate, "max_total_tokens": args.max_total_tokens}
     report.write_jsonl(args.output_file, [meta, *records])

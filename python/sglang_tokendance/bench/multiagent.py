@@ -31,6 +31,7 @@ from sglang_tokendance.bench.workloads import (Simulation, WorkloadConfig, join_
                                                message_block, stand_in_messages)
 from sglang_tokendance.core.blend import BlendOptions
 from sglang_tokendance.core.segments import DEFAULT_SEPARATOR
+from sglang_tokendance.routing import ROUTING_HEADER, options_label
 
 CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=3600)
 
@@ -209,11 +210,14 @@ def quantile(xs: list[float], q: float) -> float:
     return float(numpy.quantile(xs, q)) if xs else float("nan")
 
 
-async def stream_generate(http: aiohttp.ClientSession, url: str, body: dict) -> tuple[float, float, dict]:
-    """POST a streamed /generate; (ttft, latency, last chunk). Raises on HTTP errors."""
+async def stream_generate(http: aiohttp.ClientSession, url: str, body: dict,
+                          routing_key: str | None = None) -> tuple[float, float, dict]:
+    """POST a streamed /generate (routed by `routing_key` behind SGLang's router); (ttft,
+    latency, last chunk). Raises on HTTP errors."""
     start = time.perf_counter()
     ttft, last = None, None
-    async with http.post(url + "/generate", json={**body, "stream": True}) as resp:
+    headers = {ROUTING_HEADER: routing_key} if routing_key else None
+    async with http.post(url + "/generate", json={**body, "stream": True}, headers=headers) as resp:
         if resp.status != 200:
             raise RuntimeError(f"/generate answered {resp.status}: {await resp.text()}")
         async for raw in resp.content:
@@ -236,7 +240,8 @@ def request_body(sim: Simulation, mode: Mode, pieces: list[str], prefill_only: b
     """A round's prompt from its pieces: marked for TokenDance, which also registers each
     output as next round's block (except in prefill-only sessions, whose next blocks are
     stand-ins); under a mode with rounds, the request names its round `round_id` (of all the
-    simulation's agents); under a mode with agents, its agent `agent_id`."""
+    simulation's agents); under a mode with agents, its agent `agent_id`. The options go as
+    JSON text in `custom_labels`, which SGLang's router passes on."""
     text = join_pieces(pieces, DEFAULT_SEPARATOR if mode.marked else "")
     max_new = 1 if prefill_only else sim.config.max_new_tokens
     body = {"text": text, "sampling_params": {"max_new_tokens": max_new, "temperature": 0}}
@@ -246,7 +251,7 @@ def request_body(sim: Simulation, mode: Mode, pieces: list[str], prefill_only: b
     if mode.agents:
         options |= {"agent": agent_id}
     if options:
-        body["tokendance"] = options
+        body["custom_labels"] = options_label(options)
     return body
 
 
@@ -263,9 +268,11 @@ def author_body(sim: Simulation, mode: Mode, agent: int, round_index: int, block
 async def run_session(http, url: str, mode: Mode, sim: Simulation, session: int, result: RunResult,
                       progress, prefill_only: bool = False,
                       watch: Callable[[int], ContextManager] | None = None) -> None:
-    """One simulation's rounds; `watch(round_index)` wraps each timed round (e.g. a profiler)."""
+    """One simulation's rounds, every request routed by the simulation's key; `watch(round_index)`
+    wraps each timed round (e.g. a profiler)."""
     blocks = list(sim.seed_messages)
     run_id = f"{time.time_ns()}-{session}"  # round and agent ids unique per server, whatever ran on it before
+    key = f"sim-{run_id}"
     earlier: list[list[str]] = [[] for _ in sim.agents]  # each agent's conversation so far (config.conversation)
     for round_index in range(sim.config.num_rounds):
         pieces = [sim.round_pieces(a, round_index, blocks, earlier[a]) for a in range(len(sim.agents))]
@@ -273,7 +280,8 @@ async def run_session(http, url: str, mode: Mode, sim: Simulation, session: int,
                   for a in range(len(sim.agents))]
         with watch(round_index) if watch else contextlib.nullcontext():
             start = time.perf_counter()
-            answers = await asyncio.gather(*(stream_generate(http, url, b) for b in bodies), return_exceptions=True)
+            answers = await asyncio.gather(*(stream_generate(http, url, b, key) for b in bodies),
+                                           return_exceptions=True)
             latency = time.perf_counter() - start
         outs = {agent: out for agent, out in enumerate(answers) if not isinstance(out, BaseException)}
         result.errors += [f"round {round_index} agent {agent}: {out!r}" for agent, out in enumerate(answers)
@@ -294,7 +302,7 @@ async def run_session(http, url: str, mode: Mode, sim: Simulation, session: int,
                 reuse.get("exact_recurring_tokens", 0), bodies[agent]["text"], list(last.get("output_ids", [])),
             ))
         if prefill_only:
-            blocks = await register_stand_ins(http, url, mode, sim, round_index, blocks)
+            blocks = await register_stand_ins(http, url, mode, sim, round_index, blocks, key)
         else:
             # a failed agent's message stays what it was (the round goes on without its answer)
             blocks = [message_block(outs[a][2]["text"]) if a in outs else blocks[a] for a in range(len(blocks))]
@@ -303,13 +311,13 @@ async def run_session(http, url: str, mode: Mode, sim: Simulation, session: int,
 
 
 async def register_stand_ins(http, url: str, mode: Mode, sim: Simulation, round_index: int,
-                             blocks: list[str]) -> list[str]:
+                             blocks: list[str], routing_key: str) -> list[str]:
     """Untimed author prefills of the next round's stand-in messages; returns them."""
     if round_index + 1 == sim.config.num_rounds:
         return blocks
     messages = stand_in_messages(sim.config, round_index + 1)
     bodies = [author_body(sim, mode, j, round_index, blocks, m) for j, m in enumerate(messages)]
-    await asyncio.gather(*(stream_generate(http, url, b) for b in bodies))
+    await asyncio.gather(*(stream_generate(http, url, b, routing_key) for b in bodies))
     return messages
 
 

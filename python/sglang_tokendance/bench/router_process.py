@@ -16,7 +16,6 @@ import requests
 
 from sglang_tokendance.bench.server_process import ChildService, free_port
 
-ROUTING_HEADER = "X-SMG-Routing-Key"  # honoured by --policy manual (sglang-router 0.3.2)
 # A lost worker costs no failed request: its circuit opens on the first failure, so the retry
 # goes to another worker, and the health check notices within a second (the defaults answer
 # two requests per routing key with a 500 first, and check health once a minute).
@@ -36,6 +35,12 @@ FAST_FAILOVER = ("--cb-failure-threshold", "1", "--cb-timeout-duration-secs", "5
                  "--health-success-threshold", "1")
 
 
+# A new routing key goes to the worker with the fewest active keys (the default, random, put all
+# four simulations of a benchmark run on one of two workers); ties, as with sequential
+# traffic, are still broken at random.
+MANUAL_ASSIGNMENT = ("--assignment-mode", "min_group")
+
+
 class RouterProcess(ChildService):
     """SGLang's router over `worker_urls` with `policy`, in its own process group; `stop()` ends it."""
 
@@ -47,7 +52,7 @@ class RouterProcess(ChildService):
         argv = ["--host", "127.0.0.1", "--port", str(self.port), "--policy", policy,
                 # its Prometheus listener defaults to 0.0.0.0:29000, one per machine
                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-                "--worker-urls", *worker_urls, *extra_args]
+                "--worker-urls", *worker_urls, *(MANUAL_ASSIGNMENT if policy == "manual" else ()), *extra_args]
         self.proc = subprocess.Popen([sys.executable, "-c", LAUNCH, *argv],
                                      stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
 

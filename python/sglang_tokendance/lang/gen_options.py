@@ -17,7 +17,6 @@ other backends (OpenAI, ...) never build such a body: there the keywords do noth
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +30,7 @@ from sglang_tokendance.lang.backend import tokendance_info
 from sglang_tokendance.lang.round import current_round
 from sglang_tokendance.lang.routing import ROUTING_FIELD, current_routing_key
 from sglang_tokendance.lang.wrapping import wrap_method
+from sglang_tokendance.routing import options_label
 
 MARK = "tokendance_request"  # a GenRequest on every SglGen, and on its executor while it runs
 
@@ -79,7 +79,7 @@ def _add_images(original, endpoint: RuntimeEndpoint, executor: StreamExecutor, d
     if request is None:
         return
     if request.options and tokendance_info(endpoint):
-        data["custom_labels"] = {**(data.get("custom_labels") or {}), "tokendance": json.dumps(request.options)}
+        data["custom_labels"] = {**(data.get("custom_labels") or {}), **options_label(request.options)}
     if request.routing_key is not None:
         data[ROUTING_FIELD] = request.routing_key
 

@@ -18,8 +18,8 @@ import requests
 from sglang.lang.backend import runtime_endpoint
 
 from sglang_tokendance.lang.wrapping import wrap_method
+from sglang_tokendance.routing import ROUTING_HEADER
 
-ROUTING_HEADER = "X-SMG-Routing-Key"  # sglang-router 0.3.2, --policy manual
 ROUTING_FIELD = "_tokendance_routing_key"  # body -> header, inside this process only
 
 _CURRENT: contextvars.ContextVar[str | None] = contextvars.ContextVar("tokendance_routing_key", default=None)
