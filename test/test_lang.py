@@ -181,8 +181,9 @@ def router_url():
 
 def test_simulation_block_routes_every_gen_by_its_key_through_a_router(router_url):
     backend = sgl.RuntimeEndpoint(router_url)
-    with simulation("sim-7"), agent_round("r1", 2):
+    with agent_round("r1", 2, simulation="sim-7"):
         agent.run_batch([{"i": i} for i in range(2)], backend=backend, num_threads=2)  # worker threads
+    with simulation("sim-7"):
         marked.run(backend=backend).sync()
     marked.run(backend=backend).sync()  # outside the block: no key
     sent = RecordingHandler.requests

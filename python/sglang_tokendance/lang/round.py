@@ -1,4 +1,5 @@
-"""`with sglang_tokendance.lang.round("r1", 4):`: every gen built inside belongs to round r1.
+"""`with sglang_tokendance.lang.round("r1", 4):`: every gen built inside belongs to round r1
+(`simulation="sim-7"` also routes them by that key behind SGLang's router, lang/routing).
 
 The block sets a context variable that `sgl.gen` (lang/gen_options.py) reads when it builds
 a gen, so it tags the gens of programs run inside it: `program.run(...)` executes the program
@@ -18,6 +19,7 @@ from typing import Any, Callable, Iterator
 
 from sglang.lang import interpreter
 
+from sglang_tokendance.lang import routing
 from sglang_tokendance.lang.wrapping import wrap_method
 
 _CURRENT: contextvars.ContextVar[tuple[str, int | None] | None] = contextvars.ContextVar(
@@ -30,11 +32,13 @@ def current_round() -> tuple[str, int | None] | None:
 
 
 @contextlib.contextmanager
-def round(round_id: str, size: int | None = None) -> Iterator[None]:
-    """Tag every gen built inside with `"tokendance": {"round": round_id, "round_size": size}`."""
+def round(round_id: str, size: int | None = None, simulation: str | None = None) -> Iterator[None]:
+    """Tag every gen built inside with `"tokendance": {"round": round_id, "round_size": size}`;
+    with `simulation`, also route them by that key (lang/routing's `simulation(...)` block)."""
     token = _CURRENT.set((round_id, size))
     try:
-        yield
+        with routing.simulation(simulation) if simulation is not None else contextlib.nullcontext():
+            yield
     finally:
         _CURRENT.reset(token)
 
