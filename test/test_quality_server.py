@@ -103,6 +103,10 @@ def test_labels_flags_and_cases():
     assert Workload.parse("N=6 w=40") == Workload(6, 40) and Workload.parse("N=4 w=60 chunk=128").chunked_prefill == 128
     assert Workload.parse(Workload(4, 60, 128).label) == Workload(4, 60, 128)
     assert Workload.parse("N=10 round=all") == Workload(10, round="all")
+    debate = Workload.parse("N=10 round=lead preset=debate")
+    assert debate.preset == "debate" and Workload.parse(debate.label) == debate and "preset" not in Workload(4).label
+    with pytest.raises(ValueError, match="bad preset"):
+        Workload.parse("N=4 preset=chess")
     assert Workload(10, round="lead").server_flags == ()
     with pytest.raises(ValueError, match="bad workload"):
         Workload.parse("agents=4")

@@ -40,34 +40,40 @@ from tqdm import tqdm
 
 from sglang_tokendance.bench.quality import (CONTENT_ENTROPY, FULL, PLAIN, QualityRunner, SegmentStore, Setting,
                                              common_prefix, entropy_rows, kl_rows, mean_or_none)
-from sglang_tokendance.bench.workloads import Simulation, make_simulation, preset_config
+from sglang_tokendance.bench.workloads import PRESETS, Simulation, make_simulation, preset_config
 from sglang_tokendance.core.blend import BlendOptions
 from sglang_tokendance.core.segments import SegmentedPrompt
 from sglang_tokendance.bench.server_process import flush_cache
 
 TopK = Mapping[int, float]  # token id -> logprob (normalised over the whole vocabulary)
 REQUEST_TIMEOUT = 1800
+DEFAULT_PRESET = "generative_agents"
 ROUND_MODES = ("", "lead", "all")  # a workload's prompts: one at a time, or one round with or without a leader
 
 
 @dataclass(frozen=True)
 class Workload:
-    """One server workload: N agents, message length, the servers' chunked-prefill size, and
-    whether its prompts go as one round (ROUND_MODES; see the module's notes)."""
+    """One server workload: N agents, message length, the servers' chunked-prefill size,
+    whether its prompts go as one round (ROUND_MODES; see the module's notes), and the
+    workload preset (bench/workloads.PRESETS) its simulation is drawn from."""
 
     agents: int
     block_words: int = 60
     chunked_prefill: int = 0  # --chunked-prefill-size of both servers (0: SGLang's default)
     round: str = ""
+    preset: str = DEFAULT_PRESET
 
     def __post_init__(self) -> None:
         if self.round not in ROUND_MODES:
             raise ValueError(f"bad round mode {self.round!r}: one of lead, all")
+        if self.preset not in PRESETS:
+            raise ValueError(f"bad preset {self.preset!r}: one of {', '.join(sorted(PRESETS))}")
 
     @property
     def label(self) -> str:
         chunk = f" chunk={self.chunked_prefill}" if self.chunked_prefill else ""
-        return f"N={self.agents} w={self.block_words}{chunk}" + (f" round={self.round}" if self.round else "")
+        return (f"N={self.agents} w={self.block_words}{chunk}" + (f" round={self.round}" if self.round else "")
+                + (f" preset={self.preset}" if self.preset != DEFAULT_PRESET else ""))
 
     @property
     def server_flags(self) -> tuple[str, ...]:
@@ -77,12 +83,13 @@ class Workload:
 
     @classmethod
     def parse(cls, label: str) -> "Workload":
-        """The inverse of `label` ("N=6 w=40", "N=4 w=60 chunk=128", "N=10 round=lead")."""
+        """The inverse of `label` ("N=6 w=40", "N=4 w=60 chunk=128", "N=10 round=lead preset=debate")."""
         values = dict(f.split("=", 1) for f in label.split() if "=" in f)
-        if len(values) != len(label.split()) or not {"N"} <= set(values) <= {"N", "w", "chunk", "round"}:
+        if len(values) != len(label.split()) or not {"N"} <= set(values) <= {"N", "w", "chunk", "round", "preset"}:
             raise ValueError(f"bad workload {label!r}: write 'N=AGENTS [w=BLOCK_WORDS] [chunk=CHUNKED_PREFILL_SIZE] "
-                             "[round=lead|all]'")
-        return cls(int(values["N"]), int(values.get("w", 60)), int(values.get("chunk", 0)), values.get("round", ""))
+                             "[round=lead|all] [preset=PRESET]'")
+        return cls(int(values["N"]), int(values.get("w", 60)), int(values.get("chunk", 0)), values.get("round", ""),
+                   values.get("preset", DEFAULT_PRESET))
 
 
 @dataclass(frozen=True)
@@ -261,7 +268,7 @@ class Prompts:
     def __init__(self, runner: QualityRunner, config: ServerConfig, workload: Workload):
         self.workload = workload
         self.sim: Simulation = make_simulation(preset_config(
-            "generative_agents", num_agents=workload.agents, num_rounds=1, history_words=config.history_words,
+            workload.preset, num_agents=workload.agents, num_rounds=1, history_words=config.history_words,
             block_words=workload.block_words, max_new_tokens=config.decode_steps + 1, seed=config.seed))
         measured = workload.agents if workload.round else min(workload.agents, config.prompts_per_n)
         self.texts = [runner.agent_text(self.sim, i, 0, self.sim.seed_messages) for i in range(measured)]
