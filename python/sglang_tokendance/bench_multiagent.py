@@ -32,6 +32,7 @@ import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
+import requests
 from tqdm import tqdm
 
 from sglang_tokendance.bench import report
@@ -464,8 +465,6 @@ def scale_out(args, systems: Systems, config: WorkloadConfig) -> tuple[list[dict
 
 
 def rounds_formed(url: str) -> int:
-    import requests
-
     info = requests.get(url + "/server_info", timeout=60).json()["internal_states"][0]
     return info["tokendance_rounds"]["rounds_formed"]
 

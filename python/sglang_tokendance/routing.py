@@ -13,8 +13,9 @@ import json
 from typing import Any
 
 ROUTING_HEADER = "X-SMG-Routing-Key"
+OPTIONS_LABEL = "tokendance"  # the key of the options' JSON text in `custom_labels` / `metadata`
 
 
 def options_label(options: dict[str, Any]) -> dict[str, str]:
     """The `custom_labels` (or `metadata`) entry that carries `options` through the router."""
-    return {"tokendance": json.dumps(options)}
+    return {OPTIONS_LABEL: json.dumps(options)}

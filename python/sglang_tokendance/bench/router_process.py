@@ -16,9 +16,6 @@ import requests
 
 from sglang_tokendance.bench.server_process import ChildService, free_port
 
-# A lost worker costs no failed request: its circuit opens on the first failure, so the retry
-# goes to another worker, and the health check notices within a second (the defaults answer
-# two requests per routing key with a 500 first, and check health once a minute).
 # `python -m sglang_router.launch_router` less its import of the debug load balancer (mini_lb),
 # which imports SGLang: 15 s of a start on these CPUs where SGLang is installed. Same arguments.
 LAUNCH = ("import argparse, sys, setproctitle\n"
@@ -30,11 +27,12 @@ LAUNCH = ("import argparse, sys, setproctitle\n"
           "args._validate_router_args()\n"
           "setproctitle.setproctitle('sglang::router')\n"
           "Router.from_args(args).start()\n")
+# A lost worker costs no failed request: its circuit opens on the first failure, so the retry
+# goes to another worker, and the health check notices within a second (the defaults answer
+# two requests per routing key with a 500 first, and check health once a minute).
 FAST_FAILOVER = ("--cb-failure-threshold", "1", "--cb-timeout-duration-secs", "5",
                  "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
                  "--health-success-threshold", "1")
-
-
 # A new routing key goes to the worker with the fewest active keys (the default, random, put all
 # four simulations of a benchmark run on one of two workers); ties, as with sequential
 # traffic, are still broken at random.

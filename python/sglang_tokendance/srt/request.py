@@ -20,6 +20,7 @@ from weakref import WeakKeyDictionary
 
 from sglang_tokendance.core.collective import MAX_ROUND_ID_CHARS, MAX_ROUND_SIZE, RoundTag
 from sglang_tokendance.core.segments import SegmentError, SegmentSpan
+from sglang_tokendance.routing import OPTIONS_LABEL
 
 CARRIER_KEY = "tokendance"  # in sampling_params.custom_params; only the tokenizer manager sets it
 OPTIONS_SHAPE = ('`tokendance` must be an object like {"register_output": true, "round": "r1", "round_size": 4, '
@@ -27,7 +28,7 @@ OPTIONS_SHAPE = ('`tokendance` must be an object like {"register_output": true, 
 CLIENT_FIELDS = frozenset({"register_output", "round", "round_size", "agent", "max_approximate_tokens"})
 # The string maps sglang-router 0.3.2 keeps when it re-serialises a body (it drops every field it
 # does not know, `tokendance` included, on /generate and /v1/chat/completions): the same object, as
-# JSON text under the key "tokendance".
+# JSON text under OPTIONS_LABEL (sglang_tokendance/routing.py).
 ROUTER_SAFE_MAPS = ("custom_labels", "metadata")
 
 
@@ -120,33 +121,37 @@ class RequestOptions:
 def client_options(body: Any) -> Any:
     """The client's `tokendance` object in a request body: the field itself, or its JSON text in
     `custom_labels` (/generate) or `metadata` (OpenAI), the string maps a router passes on.
-    Given twice, or as text that is not JSON, is a `SegmentError`."""
+    Given twice, or as text that is not a JSON object, is a `SegmentError`."""
     if not isinstance(body, dict):
         return None
-    found = [("tokendance", body["tokendance"])] if body.get("tokendance") is not None else []
+    given = {"tokendance": body["tokendance"]} if body.get("tokendance") is not None else {}
     for field in ROUTER_SAFE_MAPS:
         carried = body.get(field)
-        if isinstance(carried, dict) and carried.get(CARRIER_KEY) is not None:
-            text = carried[CARRIER_KEY]
-            try:
-                found.append((f"{field}.tokendance", json.loads(text) if isinstance(text, str) else None))
-            except json.JSONDecodeError:
-                found.append((f"{field}.tokendance", None))
-            if not isinstance(found[-1][1], dict):
-                raise SegmentError(f"`{field}.tokendance` must be the `tokendance` object as JSON text, "
-                                   f"got {json.dumps(text)[:80]}")
-    if len(found) > 1:
-        raise SegmentError(f"TokenDance options given twice ({' and '.join(name for name, _ in found)}); "
-                           "give them once")
-    return found[0][1] if found else None
+        text = carried.get(OPTIONS_LABEL) if isinstance(carried, dict) else None
+        if text is not None:
+            given[f"{field}.{OPTIONS_LABEL}"] = _options_from_text(field, text)
+    if len(given) > 1:
+        raise SegmentError(f"TokenDance options given twice ({' and '.join(given)}); give them once")
+    return next(iter(given.values()), None)
+
+
+def _options_from_text(field: str, text: Any) -> dict:
+    try:
+        options = json.loads(text) if isinstance(text, str) else None
+    except json.JSONDecodeError:
+        options = None
+    if not isinstance(options, dict):
+        raise SegmentError(f"`{field}.{OPTIONS_LABEL}` must be the `tokendance` object as JSON text, "
+                           f"got {json.dumps(text)[:80]}")
+    return options
 
 
 def strip_router_carrier(obj: Any) -> None:
     """Take the options' JSON out of a GenerateReqInput's `custom_labels` (SGLang would make it a
     metric label)."""
     labels = getattr(obj, "custom_labels", None)
-    if isinstance(labels, dict) and CARRIER_KEY in labels:
-        rest = {key: value for key, value in labels.items() if key != CARRIER_KEY}
+    if isinstance(labels, dict) and OPTIONS_LABEL in labels:
+        rest = {key: value for key, value in labels.items() if key != OPTIONS_LABEL}
         obj.custom_labels = rest or None
 
 
