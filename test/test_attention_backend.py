@@ -1,7 +1,7 @@
 """The `tokendance` attention backend (srt/attention.py) on SGLang's own pools, in-process:
-fed the same q/k/v as SGLang's torch_native backend (K rotated by the model), it keeps K
-un-rotated in its pool and returns torch_native's outputs, for a prefill, a chunk after a
-prefix (a radix hit or chunked prefill) and decode steps of a mixed batch."""
+fed the same q/k/v as SGLang's torch_native backend (K rotated by the model), it runs SGLang's
+own attention for rows that read nothing at a shift and core/rope_attention for a row that
+reads a Master in place, returning what torch_native returns for a reader holding a copy."""
 
 from __future__ import annotations
 
@@ -57,11 +57,55 @@ def batch(mode, rows: list[int], starts: list[int], ends: list[int], slots: torc
     return SimpleNamespace(**fields)
 
 
+LAYER = dict(layer_id=0, tp_q_head_num=HEADS, tp_k_head_num=KV_HEADS, tp_v_head_num=KV_HEADS, qk_head_dim=D,
+             v_head_dim=D, scaling=D ** -0.5, is_cross_attention=False, sliding_window_size=-1)
+AUTHOR, READER = 1, 3  # req_to_token rows
+READ = (6, 18)  # the reader's positions [6, 18) read the author's slots at its positions [10, 22): shift -4
+WRITTEN = (10, 22)
+
+
+class Paths:
+    """Which attention each row of each forward ran: SGLang's (`plain`, the rows' req_to_token
+    indices) or the shifted path (`shifted`, how many rows)."""
+
+    def __init__(self, backend, monkeypatch):
+        import sglang_tokendance.srt.attention as module
+
+        self.plain: list[list[int]] = []
+        self.shifted: list[int] = []
+        for name in ("_run_sdpa_forward_decode", "_run_sdpa_forward_extend"):
+            original = getattr(backend, name)
+            monkeypatch.setattr(backend, name, self._spy_plain(original))
+        for name, q_at in (("tiled_decode_attention", 0), ("row_attention", 1)):
+            monkeypatch.setattr(module, name, self._spy_shifted(getattr(module, name), q_at))
+
+    def _spy_plain(self, original):
+        def run(q, out, keys, values, table, index, *args, **kwargs):
+            self.plain.append(index.tolist())
+            return original(q, out, keys, values, table, index, *args, **kwargs)
+        return run
+
+    def _spy_shifted(self, original, q_at: int):
+        def run(*args, **kwargs):
+            self.shifted.append(args[q_at].shape[0])  # q's rows or tokens
+            return original(*args, **kwargs)
+        return run
+
+
 @pytest.mark.parametrize("arch,scaling", [("llama", None), ("qwen2", None),
                                           ("llama", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                      "high_freq_factor": 4.0,
                                                      "original_max_position_embeddings": 16})])
-def test_tokendance_backend_equals_torch_native(sglang_parts, arch, scaling):
+def test_tokendance_backend_reads_masters_at_a_shift_and_runs_sglangs_attention_elsewhere(
+        sglang_parts, arch, scaling, monkeypatch):
+    """A reader whose row points at an author's slots (a Master read in place at shift -4)
+    gets what torch_native gives a reader holding its own copy of that KV rotated to its
+    positions, for a chunk after that prefix and decode steps; rows without a shift -- every
+    forward of the author, the author's row in a mixed decode batch -- run SGLang's own
+    attention (bit-for-bit torch_native's outputs), and only the reader takes the shifted path."""
+    from sglang_tokendance.core.rope import rerotate
+    from sglang_tokendance.core.slot_frames import SlotFrames
+
     parts = sglang_parts
     config = tiny_config(arch)
     if scaling is not None:
@@ -69,24 +113,22 @@ def test_tokendance_backend_equals_torch_native(sglang_parts, arch, scaling):
     spec = RopeSpec.from_hf_config(config)
     assert spec.scaling.type == (scaling or {}).get("rope_type", "default")
     reference, mirror = Runner(parts, config), Runner(parts, config)
+    frames = SlotFrames(128)
+    mirror.token_to_kv_pool_allocator = SimpleNamespace(frames=frames)
     backends = parts.torch_native(reference), parts.tokendance(mirror)
-    layer = SimpleNamespace(layer_id=0, tp_q_head_num=HEADS, tp_k_head_num=KV_HEADS, tp_v_head_num=KV_HEADS,
-                            qk_head_dim=D, v_head_dim=D, scaling=D ** -0.5, is_cross_attention=False,
-                            attn_type=parts.attn_type.DECODER, sliding_window_size=-1)
+    paths = Paths(backends[1], monkeypatch)
+    layer = SimpleNamespace(attn_type=parts.attn_type.DECODER, **LAYER)
     gen = torch.Generator().manual_seed(0)
     free = iter(torch.randperm(120, generator=gen) + 1)
-    rows, lengths = [1, 3], [0, 0]
 
-    def step(mode, ends: list[int]) -> None:
-        starts = [lengths[b] for b in range(len(rows))]
+    def forward(mode, rows: list[int], starts: list[int], ends: list[int]) -> torch.Tensor:
         n = sum(e - s for s, e in zip(starts, ends))
         slots = torch.stack([next(free) for _ in range(n)])
         fb = batch(mode, rows, starts, ends, slots)
         for runner in (reference, mirror):
-            table = runner.req_to_token_pool.req_to_token
-            at = 0
-            for b, (s, e) in enumerate(zip(starts, ends)):
-                table[rows[b], s:e] = slots[at:at + e - s].to(table.dtype)
+            table, at = runner.req_to_token_pool.req_to_token, 0
+            for row, s, e in zip(rows, starts, ends):
+                table[row, s:e] = slots[at:at + e - s].to(table.dtype)
                 at += e - s
         q = torch.randn(n, HEADS * D, generator=gen)
         k = rotate(torch.randn(n, KV_HEADS, D, generator=gen), fb.positions, spec)  # the model rotates K
@@ -94,18 +136,38 @@ def test_tokendance_backend_equals_torch_native(sglang_parts, arch, scaling):
         outs = []
         for backend in backends:
             backend.init_forward_metadata(fb)
-            forward = backend.forward_extend if mode.is_extend() else backend.forward_decode
-            outs.append(forward(q.clone(), k.clone(), v.clone(), layer, fb))
+            run = backend.forward_extend if mode.is_extend() else backend.forward_decode
+            outs.append(run(q.clone(), k.clone(), v.clone(), layer, fb))
         torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=2e-5)
-        lengths[:] = ends
+        return outs[1] - outs[0]
 
-    step(parts.mode.EXTEND, [9, 20])  # two prefills
-    step(parts.mode.EXTEND, [12, 40])  # chunks after a prefix: packed and causal grids
-    for _ in range(3):
-        step(parts.mode.DECODE, [lengths[0] + 1, lengths[1] + 1])
-    stored = mirror.token_to_kv_pool.get_key_buffer(0)
-    rotated = reference.token_to_kv_pool.get_key_buffer(0)
-    row = mirror.req_to_token_pool.req_to_token[rows[1], :lengths[1]].to(torch.int64)
-    assert not torch.allclose(stored[row[1:]], rotated[row[1:]], atol=1e-3)  # the pool keeps K un-rotated...
-    torch.testing.assert_close(rotate(stored[row], torch.arange(row.numel()), spec), rotated[row],
-                               atol=1e-5, rtol=1e-5)  # ...which is SGLang's K rotated back
+    # the author's prompt in two chunks: no shift anywhere, SGLang's attention bit for bit
+    assert not forward(parts.mode.EXTEND, [AUTHOR], [0], [16]).any()
+    assert not forward(parts.mode.EXTEND, [AUTHOR], [16], [30]).any()
+    assert paths.shifted == [] and paths.plain == [[AUTHOR], [AUTHOR]]
+    # the reader's first 18 positions: its own 0..5, then the author's slots (mirror) or a copy
+    # of their KV rotated to 6..17 in slots of its own (reference)
+    own, copies = torch.stack([next(free) for _ in range(6)]), torch.stack([next(free) for _ in range(12)])
+    author = mirror.req_to_token_pool.req_to_token[AUTHOR, WRITTEN[0]:WRITTEN[1]].to(torch.int64)
+    read_at, written_at = torch.arange(*READ), torch.arange(*WRITTEN)
+    k_own = rotate(torch.randn(6, KV_HEADS, D, generator=gen), torch.arange(6), spec)
+    v_own = torch.randn(6, KV_HEADS, D, generator=gen)
+    for runner, masters in ((reference, copies), (mirror, author)):
+        pool, table = runner.token_to_kv_pool, runner.req_to_token_pool.req_to_token
+        keys, values = pool.get_key_buffer(0), pool.get_value_buffer(0)
+        keys[own], values[own] = k_own, v_own
+        table[READER, :6], table[READER, 6:18] = own.to(table.dtype), masters.to(table.dtype)
+    ref_keys, ref_values = reference.token_to_kv_pool.get_key_buffer(0), reference.token_to_kv_pool.get_value_buffer(0)
+    ref_keys[copies] = rerotate(ref_keys[author], written_at, read_at, spec)
+    ref_values[copies] = ref_values[author]
+    frames.record(own, torch.arange(6))
+    assert torch.equal(frames.shifts(mirror.req_to_token_pool.req_to_token[READER, :18].to(torch.int64))[6:],
+                       torch.full((12,), -4))
+    forward(parts.mode.EXTEND, [READER], [18], [25])  # a chunk after the prefix that reads the Master
+    assert paths.shifted == [7] and len(paths.plain) == 2
+    for step in range(3):  # mixed decode batches: the author plain, the reader shifted
+        forward(parts.mode.DECODE, [AUTHOR, READER], [30 + step, 25 + step], [31 + step, 26 + step])
+    assert paths.shifted == [7, 1, 1, 1] and paths.plain[2:] == [[AUTHOR]] * 3
+    # the mirror pool holds SGLang's K: the author's slots as the author wrote them, never rewritten
+    torch.testing.assert_close(mirror.token_to_kv_pool.get_key_buffer(0)[author],
+                               reference.token_to_kv_pool.get_key_buffer(0)[author], atol=0, rtol=0)

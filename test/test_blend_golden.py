@@ -3,8 +3,8 @@ ratio 1 and several selections, must give the hidden states, kept masks, work co
 final KV that the first implementation gave (test/data/blend_golden.pt, written by commit
 19e66e1's core/blend with `python test/test_blend_golden.py --write`). Rewrites of the
 blended prefill's internals (batched attention, scratch KV, one-pass attention mass) must
-not change what it computes. Mirror storage (K kept un-rotated, rotated on read) must compute
-the same as dense storage, selections included."""
+not change what it computes. Zero-copy reads of Masters written at other positions (read at a
+shift, core/rope_attention) must compute the same as the copying run, selections included."""
 
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ import torch
 
 from sglang_tokendance.bench.hf_layerwise import DenseKV, HFLayerwise, full_prefill
 from sglang_tokendance.core.blend import BlendOptions, ReusedRun, RequestRow, blended_prefill
-from sglang_tokendance.core.rope import RopeSpec, rotate, unrotate
-from sglang_tokendance.core.rope_attention import RopeOnRead
+from sglang_tokendance.core.rope import RopeSpec, rerotate
+from sglang_tokendance.core.rope_attention import ShiftedReads
+from sglang_tokendance.core.slot_frames import SlotFrames
 from sglang_tokendance.core.selection import rule_named
 from sglang_tokendance.bench.tiny_models import tiny_config
 
@@ -80,33 +81,15 @@ def batch(model: HFLayerwise) -> tuple[torch.Tensor, torch.Tensor, list[RequestR
     return torch.cat(ids), torch.cat(positions), rows, kv
 
 
-def rotate_rows(kv: DenseKV, rows: list[RequestRow], turn) -> DenseKV:
-    """A copy of `kv` whose K of every row's slots went through `turn` at the row's positions."""
-    out = kv.clone()
-    for row in rows:
-        positions = torch.arange(row.slots.numel())
-        for layer in range(out.k.shape[0]):
-            out.k[layer, row.slots] = turn(kv.k[layer, row.slots], positions)
-    return out
-
-
 @torch.no_grad()
-def outputs(arch: str, mirror: bool = False) -> dict[str, dict[str, torch.Tensor]]:
-    """Every scenario's results; with `mirror`, on the pool kept un-rotated (its final K is
-    handed back rotated, to compare)."""
+def outputs(arch: str) -> dict[str, dict[str, torch.Tensor]]:
+    """Every scenario's results."""
     model = tiny(arch)
     ids, positions, rows, pool = batch(model)
-    spec = RopeSpec.from_hf_config(model.lm.config)
-    rope_on_read = RopeOnRead(spec) if mirror else None
-    if mirror:
-        pool = rotate_rows(pool, rows, lambda k, p: unrotate(k, p, spec))
     got = {}
     for name, (options, rule) in SCENARIOS.items():
         kv = pool.clone()
-        hidden, stats = blended_prefill(model, kv, ids, positions, rows, options, rule and rule_named(rule),
-                                        rope_on_read)
-        if mirror:
-            kv = rotate_rows(kv, rows, lambda k, p: rotate(k, p, spec))
+        hidden, stats = blended_prefill(model, kv, ids, positions, rows, options, rule and rule_named(rule))
         got[name] = {"hidden": hidden, "k": kv.k, "v": kv.v,
                      "kept": stats.kept if stats.kept is not None else torch.zeros(0, dtype=torch.bool),
                      "work": torch.tensor([stats.token_layers, stats.full_token_layers, stats.reused_tokens,
@@ -129,19 +112,16 @@ def test_outputs_match_the_first_implementation(arch, golden):
             torch.testing.assert_close(got[name][key], want[key], atol=2e-5, rtol=2e-5, msg=f"{name} {key}")
 
 
-@pytest.mark.parametrize("arch", FAMILIES)
-def test_mirror_storage_computes_what_dense_storage_computes(arch):
-    dense, mirror = outputs(arch), outputs(arch, mirror=True)
-    for name, want in dense.items():
-        assert torch.equal(mirror[name]["kept"], want["kept"]), name
-        assert torch.equal(mirror[name]["work"], want["work"]), name
-        for key in ("hidden", "k", "v"):
-            torch.testing.assert_close(mirror[name][key], want[key], atol=5e-5, rtol=5e-5, msg=f"{name} {key}")
+AUTHOR_SHIFTS = (9, -3, 40)  # where a Master's author wrote it, relative to where the reader reads it
 
 
-def zero_copy_batch(rows: list[RequestRow], pool: DenseKV) -> tuple[list[RequestRow], DenseKV, torch.Tensor]:
+def zero_copy_batch(rows: list[RequestRow], pool: DenseKV, spec: RopeSpec
+                    ) -> tuple[list[RequestRow], DenseKV, torch.Tensor, ShiftedReads]:
     """The same batch read in place: every reused token's KV moved to a Master slot past the
-    pool's, the rows pointing there, each reused position's own slot (left empty) in `own`."""
+    pool's, written by its author at another position (run k at the reader's position minus
+    AUTHOR_SHIFTS[k % 3], never below 0: K rotated there, the slot's frame), the rows pointing
+    there, each reused position's own slot (left empty) in `own`; and the reads at a shift
+    over the slots' frames (every other slot written at its position in its row)."""
     masters = torch.cat([row.slots[row.prefix_len + r.start:row.prefix_len + r.end] for row in rows
                          for r in row.reused])
     size = pool.k.shape[1]
@@ -149,40 +129,48 @@ def zero_copy_batch(rows: list[RequestRow], pool: DenseKV) -> tuple[list[Request
     out = DenseKV.__new__(DenseKV)
     out.k, out.v = torch.cat([pool.k, pool.k[:, masters]], 1), torch.cat([pool.v, pool.v[:, masters]], 1)
     out.k[:, masters], out.v[:, masters] = 0.0, 0.0  # own slots start empty: nothing may read them unwritten
-    moved, used = [], 0
+    frames = SlotFrames(size + masters.numel())
+    moved, used, runs = [], 0, 0
     for row in rows:
+        frames.record(row.slots, torch.arange(row.slots.numel()))
         slots, own = row.slots.clone(), []
         for r in row.reused:
-            n = r.end - r.start
-            own.append(slots[row.prefix_len + r.start:row.prefix_len + r.end].clone())
-            slots[row.prefix_len + r.start:row.prefix_len + r.end] = master_slots[used:used + n]
-            used += n
+            n, at = r.end - r.start, torch.arange(row.prefix_len + r.start, row.prefix_len + r.end)
+            own.append(slots[at].clone())
+            mine = master_slots[used:used + n]
+            written = at - AUTHOR_SHIFTS[runs % 3]
+            written = written - written.min().clamp(max=0)  # an author's positions are never below 0
+            out.k[:, mine] = rerotate(out.k[:, mine].transpose(0, 1), at, written, spec).transpose(0, 1)
+            frames.record(mine, written)
+            slots[at] = mine
+            used, runs = used + n, runs + 1
         moved.append(dataclasses.replace(row, slots=slots, own=torch.cat(own) if own else None))
-    return moved, out, master_slots
+    return moved, out, master_slots, ShiftedReads(spec, frames)
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_zero_copy_reads_masters_in_place_and_writes_only_kept_tokens(arch):
-    """Mirror storage, zero copy: rows read the reused tokens' KV in Master slots and carry
-    their own slots. The hidden states and kept masks equal the copying run's; a kept token's
+    """Mirror storage, zero copy: rows read the reused tokens' KV in Master slots written at
+    other positions (shifts up and down) and carry their own slots. The hidden states and kept
+    masks equal the copying run's (K rotated into the reader's positions); a kept token's
     KV is written into its own slot (equal to what the copying run wrote at its slot); a token
     not kept reads the Master, whose slots are never written; dense write-back is refused."""
     model = tiny(arch)
     ids, positions, rows, pool = batch(model)
     spec = RopeSpec.from_hf_config(model.lm.config)
-    rope_on_read = RopeOnRead(spec)
-    pool = rotate_rows(pool, rows, lambda k, p: unrotate(k, p, spec))
-    zero_rows, zero_pool, master_slots = zero_copy_batch(rows, pool)
+    zero_rows, zero_pool, master_slots, reads = zero_copy_batch(rows, pool, spec)
+    shifts = torch.cat([reads.shifts(row.slots) for row in zero_rows])
+    assert (shifts > 0).any() and (shifts < 0).any()  # Masters read above and below where they were written
     for name, (options, rule) in SCENARIOS.items():
         rule = rule and rule_named(rule)
         copied = pool.clone()
-        want, want_stats = blended_prefill(model, copied, ids, positions, rows, options, rule, rope_on_read)
+        want, want_stats = blended_prefill(model, copied, ids, positions, rows, options, rule)
         kv = zero_pool.clone()
         if not options.sparse_writeback:
             with pytest.raises(ValueError, match="sparse write-back"):
-                blended_prefill(model, kv, ids, positions, zero_rows, options, rule, rope_on_read)
+                blended_prefill(model, kv, ids, positions, zero_rows, options, rule, reads)
             continue
-        got, stats = blended_prefill(model, kv, ids, positions, zero_rows, options, rule, rope_on_read)
+        got, stats = blended_prefill(model, kv, ids, positions, zero_rows, options, rule, reads)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=name)
         assert (stats.kept is None) == (want_stats.kept is None), name
         assert stats.kept is None or torch.equal(stats.kept, want_stats.kept), name

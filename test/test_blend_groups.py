@@ -16,8 +16,7 @@ from sglang_tokendance.core.blend import BlendOptions, ReusedRun, RequestRow, bl
 from sglang_tokendance.core.collective import GroupRun, share_runs
 from sglang_tokendance.core.rope import RopeSpec, rotate, unrotate
 from sglang_tokendance.core.selection import ReusedSegment, rule_named, select_kept
-from sglang_tokendance.core.rope_attention import RopeOnRead
-from test_blend_golden import rotate_rows, tiny
+from test_blend_golden import tiny
 
 C = 2  # check layer (the tiny models have 4 layers)
 PER_REQUEST = BlendOptions(recompute_ratio=0.3, check_layer=C)
@@ -77,17 +76,11 @@ class Round:
                 for layer, (k, v) in enumerate(cached[run.segment]):
                     self.kv.write(layer, slots, rotate(k, at, spec), v)
 
-    def run(self, model, options: BlendOptions, rows=None, rope_on_read: RopeOnRead | None = None):
-        """The batch's blended prefill; with `rope_on_read`, over the pool kept un-rotated (its
-        K handed back rotated, to compare)."""
-        spec = RopeSpec.from_hf_config(model.lm.config)
+    def run(self, model, options: BlendOptions, rows=None):
+        """The batch's blended prefill."""
         kv = self.kv.clone()
-        if rope_on_read is not None:
-            kv = rotate_rows(kv, self.rows, lambda k, p: unrotate(k, p, spec))
         hidden, stats = blended_prefill(model, kv, torch.cat(self.ids), torch.cat(self.positions),
-                                        rows or self.rows, options, RULE, rope_on_read)
-        if rope_on_read is not None:
-            kv = rotate_rows(kv, self.rows, lambda k, p: rotate(k, p, spec))
+                                        rows or self.rows, options, RULE)
         return hidden, stats, kv
 
     def kept_offsets(self, kept: torch.Tensor) -> list[set]:
@@ -232,35 +225,22 @@ def test_bad_group_options():
         BlendOptions(group_probe=1)
 
 
-@torch.no_grad()
-def test_mirror_storage_computes_what_dense_storage_computes(model):
-    """K kept un-rotated and rotated on read: the same selection and, within float rounding, the
-    same outputs and KV, the shared probe's catch-up stage included."""
-    together = Round(model)
-    dense = together.run(model, SHARED_PROBE)
-    mirror = together.run(model, SHARED_PROBE, rope_on_read=RopeOnRead(RopeSpec.from_hf_config(model.lm.config)))
-    assert torch.equal(mirror[1].kept, dense[1].kept) and mirror[1].token_layers == dense[1].token_layers
-    for a, b in ((mirror[0], dense[0]), (mirror[2].k, dense[2].k), (mirror[2].v, dense[2].v)):
-        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
-
-
 def test_zero_copy_under_a_shared_probe_writes_kept_adopted_tokens_into_their_own_slots(model):
     """Master-Mirror zero copy with a shared probe: rows read the segments' Master slots in
-    place; the kept tokens -- the adopted ones caught up after the check included -- are
+    place, at a shift; the kept tokens -- the adopted ones caught up after the check included -- are
     computed into their own slots, exactly what the copying run writes there; Masters are
     never written."""
     from test_blend_golden import zero_copy_batch
 
     together = Round(model)
     spec = RopeSpec.from_hf_config(model.lm.config)
-    rope_on_read = RopeOnRead(spec)
-    pool = rotate_rows(together.kv, together.rows, lambda k, p: unrotate(k, p, spec))
+    pool = together.kv
     ids, positions = torch.cat(together.ids), torch.cat(together.positions)
     copied = pool.clone()
-    want, want_stats = blended_prefill(model, copied, ids, positions, together.rows, SHARED_PROBE, RULE, rope_on_read)
-    zero_rows, zero_pool, master_slots = zero_copy_batch(together.rows, pool)
+    want, want_stats = blended_prefill(model, copied, ids, positions, together.rows, SHARED_PROBE, RULE)
+    zero_rows, zero_pool, master_slots, reads = zero_copy_batch(together.rows, pool, spec)
     kv = zero_pool.clone()
-    got, stats = blended_prefill(model, kv, ids, positions, zero_rows, SHARED_PROBE, RULE, rope_on_read)
+    got, stats = blended_prefill(model, kv, ids, positions, zero_rows, SHARED_PROBE, RULE, reads)
     assert stats.adopted_tokens > 0 and bool((stats.kept & stats.adopted).any())
     assert torch.equal(stats.kept, want_stats.kept) and stats.token_layers == want_stats.token_layers
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

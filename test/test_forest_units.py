@@ -276,19 +276,18 @@ def test_batches_with_embeddings_or_captured_hidden_states_take_sglangs_forward(
     assert not blendable(SimpleNamespace(input_embeds=None, capture_hidden_mode=CaptureHiddenMode.FULL))
 
 
-@pytest.mark.parametrize("rotated", [True, False])
-def test_segment_copies_follow_the_pools_k_form(rotated):
-    """Caching a segment stores K un-rotated and restoring it writes the pool's form at the
-    reader's positions: rotated in SGLang's pool, un-rotated and copied as it is in mirror storage."""
+def test_segment_copies_store_k_unrotated_and_restore_it_at_the_readers_positions():
+    """Caching a segment (dense storage) stores K un-rotated and restoring it writes K rotated
+    at the reader's positions, as SGLang's pool holds it; V is copied as it is."""
     from sglang_tokendance.core.rope import RopeSpec, rotate
     from sglang_tokendance.srt.kv_copy import PoolKeys, copy_kv
 
     spec = RopeSpec(head_dim=8, rotary_dim=8, base=10000.0)
-    keys = PoolKeys(spec, rotated=rotated)
+    keys = PoolKeys(spec)
     raw = torch.randn(4, 2, 8)
     written, read = torch.arange(7, 11), torch.arange(2, 6)  # the segment's positions for author and reader
     k_buffers, v_buffers = [torch.zeros(16, 2, 8)], [torch.zeros(16, 2, 8)]
-    k_buffers[0][:4] = rotate(raw, written, spec) if rotated else raw
+    k_buffers[0][:4] = rotate(raw, written, spec)
     v_buffers[0][:4] = torch.randn(4, 2, 8)
     pool = SimpleNamespace(start_layer=0, layer_num=1, get_key_buffer=k_buffers.__getitem__,
                            get_value_buffer=v_buffers.__getitem__)
@@ -296,12 +295,8 @@ def test_segment_copies_follow_the_pools_k_form(rotated):
     copy_kv(pool, torch.arange(4), segment, written, keys.unrotated)
     copy_kv(pool, segment, reader, read, keys.pooled)
     torch.testing.assert_close(k_buffers[0][segment], raw, atol=1e-5, rtol=1e-5)
-    want = rotate(raw, read, spec) if rotated else raw
-    torch.testing.assert_close(k_buffers[0][reader], want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k_buffers[0][reader], rotate(raw, read, spec), atol=1e-5, rtol=1e-5)
     assert torch.equal(v_buffers[0][reader], v_buffers[0][:4])
-    assert (keys.rope_on_read is None) == rotated
-    if not rotated:
-        assert torch.equal(k_buffers[0][reader], k_buffers[0][:4])  # no rotation at all
 
 
 def mirror_forest(size: int = 64, rows: int = 4):
@@ -320,7 +315,7 @@ def mirror_forest(size: int = 64, rows: int = 4):
     table = SimpleNamespace(req_to_token=torch.zeros(rows, 128, dtype=torch.int32))
     params = CacheInitParams(disable=False, req_to_token_pool=table, token_to_kv_pool_allocator=allocator,
                              page_size=1, eviction_policy="lru")
-    return SegmentForest(params, PoolKeys(RopeSpec(head_dim=8, rotary_dim=8, base=1e4), rotated=False), reuse=True)
+    return SegmentForest(params, PoolKeys(RopeSpec(head_dim=8, rotary_dim=8, base=1e4)), reuse=True, zero_copy=True)
 
 
 class Req(SimpleNamespace):

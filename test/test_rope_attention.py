@@ -1,7 +1,8 @@
-"""core/rope_attention: attention over un-rotated K, rotated by the reader's positions as it
-reads, equals plain attention over K stored rotated; the Triton decode kernel equals the torch
-reference (run under TRITON_INTERPRET=1 on the CPU, in a child process: Triton decides at
-import whether its kernels are interpreted)."""
+"""core/rope_attention: attention over K kept rotated at each slot's frame, read by rows at
+other positions (a Master's slots, read in place), equals plain attention over K rotated at the
+reader's positions; the Triton decode kernel equals the torch reference (run under
+TRITON_INTERPRET=1 on the CPU, in a child process: Triton decides at import whether its
+kernels are interpreted)."""
 
 from __future__ import annotations
 
@@ -13,15 +14,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sglang_tokendance.core.attention import plan_grids
-from sglang_tokendance.core.rope import RopeScaling, RopeSpec, rotate, unrotate
+from sglang_tokendance.core.attention import attend, plan_grids
+from sglang_tokendance.core import rope_attention
+from sglang_tokendance.core.rope import RopeScaling, RopeSpec, rerotate, rotate
 from sglang_tokendance.core.rope_attention import (
-    RopeOnRead,
-    decode_attention_triton,
-    decode_grids,
+    ShiftedReads,
+    decode_tiles,
     extend_grids,
     row_attention,
+    tiled_decode_attention,
+    tiled_decode_attention_triton,
 )
+from sglang_tokendance.core.slot_frames import SlotFrames
 
 HEADS, KV_HEADS, D = 6, 2, 16
 SCALE = D ** -0.5
@@ -34,145 +38,175 @@ SPECS = {
 
 
 class Pool:
-    """Rows of given lengths scattered over one slot table; `rotated` holds K as SGLang stores
-    it (rotated at each key's position in its row), `unrotated` as mirror storage does."""
+    """Rows of given lengths over one slot table, K as SGLang writes it (rotated at each slot's
+    frame, recorded in `frames`). Row 0 is the author; with `share`, each later row's positions
+    [at, at + run) read the author's slots [start, start + run) in place, so that run is read at
+    shift at - start (negative where it sits earlier than the author had it)."""
 
-    def __init__(self, lengths: list[int], spec: RopeSpec, seed: int = 0):
+    def __init__(self, lengths: list[int], spec: RopeSpec, seed: int = 0,
+                 share: list[tuple[int, int, int]] | None = None):
         gen = torch.Generator().manual_seed(seed)
         slots = sum(lengths) + 3
-        self.lengths = lengths
-        self.rotated = torch.randn(slots, KV_HEADS, D, generator=gen)
+        self.spec, self.lengths = spec, lengths
+        self.plain_k = torch.randn(slots, KV_HEADS, D, generator=gen)  # before RoPE
         self.values = torch.randn(slots, KV_HEADS, D, generator=gen)
         order = torch.randperm(slots - 1, generator=gen) + 1
         self.table = torch.zeros(len(lengths) + 2, max(lengths) + 4, dtype=torch.int32)
         self.row_index = torch.arange(len(lengths)) + 1  # table rows 1.., as SGLang hands them out
-        self.unrotated = self.rotated.clone()
+        self.frames = SlotFrames(slots)
+        self.keys = self.plain_k.clone()
         used = 0
         for i, n in zip(self.row_index.tolist(), lengths):
             row = order[used:used + n]
             self.table[i, :n] = row
-            self.unrotated[row] = unrotate(self.rotated[row], torch.arange(n), spec)
+            self.keys[row] = rotate(self.plain_k[row], torch.arange(n), spec)
+            self.frames.record(row, torch.arange(n))
             used += n
+        for b, (at, start, run) in enumerate(share or [], start=1):
+            self.table[self.row_index[b], at:at + run] = self.table[self.row_index[0], start:start + run]
 
     def row(self, b: int) -> torch.Tensor:
         return self.table[self.row_index[b], :self.lengths[b]].to(torch.int64)
 
     def reference(self, q: torch.Tensor, b: int, positions: torch.Tensor) -> torch.Tensor:
-        """Plain causal attention of queries q [n, heads, d] at `positions` over rotated K."""
+        """Plain causal attention of queries q [n, heads, d] at `positions` over row b's keys
+        rotated afresh at the row's own positions."""
         row = self.row(b)
         group = HEADS // KV_HEADS
-        k = self.rotated[row].repeat_interleave(group, 1).transpose(0, 1)
+        k = rotate(self.plain_k[row], torch.arange(row.numel()), self.spec)
+        k = k.repeat_interleave(group, 1).transpose(0, 1)
         v = self.values[row].repeat_interleave(group, 1).transpose(0, 1)
         visible = torch.arange(row.numel()) <= positions[:, None]
         mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
         return F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=SCALE).transpose(0, 1)
 
+    def reads(self) -> ShiftedReads:
+        return ShiftedReads(self.spec, self.frames)
+
+
+# Row 1 reads the author's [5, 25) at [25, 45) (shift +20); row 2 reads [30, 40) at [2, 12) (-28).
+SHARED = dict(lengths=[48, 50, 20], share=[(25, 5, 20), (2, 30, 10)])
+
 
 @pytest.mark.parametrize("name", sorted(SPECS))
-def test_extend_over_unrotated_keys_equals_attention_over_rotated_keys(name):
-    """A plain prefill, a chunk after a long prefix (packed under a position mask) and a
-    one-token chunk, in one batch."""
+def test_shift_moves_keys_as_core_rope_rerotates_them(name):
+    """Shifts up, down, 0 and past the first table (it grows), in place where not 0."""
     spec = SPECS[name]
-    pool = Pool([12, 30, 7], spec)
-    prefix, extend = [0, 26, 6], [12, 4, 1]
+    reads = ShiftedReads(spec, SlotFrames(4))
+    k = torch.randn(6, KV_HEADS, D)
+    frames = torch.tensor([3, 40, 7, 900, 0, 12])
+    shift = torch.tensor([5, -33, 0, 700, 1, -12])
+    want = rerotate(rotate(k, frames, spec), frames, frames + shift, spec)
+    got = reads.shift_(rotate(k, frames, spec), shift)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got, rotate(k, frames + shift, spec), atol=1e-4, rtol=1e-4)
+    assert reads.tables(0, torch.device("cpu"))[0].shape[0] > 700
+
+
+def test_frames_give_each_reader_its_shift():
+    frames = SlotFrames(10)
+    frames.record(torch.tensor([3, 4, 5]), torch.tensor([7, 8, 9]))
+    assert frames.shifts(torch.tensor([3, 4, 5]), torch.tensor([7, 8, 9])).tolist() == [0, 0, 0]
+    assert frames.shifts(torch.tensor([[3, 4, 5]])).tolist() == [[-7, -7, -7]]  # read at 0, 1, 2
+    assert frames.shifts(torch.tensor([5]), torch.tensor([20])).dtype == torch.int64
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_extend_over_shifted_rows_equals_attention_at_the_readers_positions(name):
+    """A plain prefill, a chunk after a long prefix that holds a shifted run (packed under a
+    position mask) and a one-token chunk after a run read at a negative shift, in one batch."""
+    spec = SPECS[name]
+    pool = Pool(spec=spec, seed=1, **SHARED)
+    prefix, extend = [0, 46, 19], [48, 4, 1]
     q = torch.randn(sum(extend), HEADS, D, generator=torch.Generator().manual_seed(1))
     grids = extend_grids(pool.table, pool.row_index, prefix, extend)
     assert sorted(g.mask is None for g in grids) == [False, True]  # both grid kinds are exercised
-    got = row_attention(grids, q, pool.unrotated, pool.values, SCALE, RopeOnRead(spec))
+    got = row_attention(grids, q, pool.keys, pool.values, SCALE, pool.reads())
     want = torch.cat([pool.reference(qb, b, torch.arange(p, p + n))
                       for b, (qb, p, n) in enumerate(zip(q.split(extend), prefix, extend))])
-    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(got, want, atol=5e-5, rtol=5e-5)
 
 
-def test_scattered_queries_read_rotated_keys_by_position():
+def test_scattered_queries_read_shifted_keys_by_position():
     """The blended prefill's layout: any subset of positions of each row."""
-    spec = SPECS["default"]
-    pool = Pool([20, 9], spec, seed=2)
-    picks = [torch.tensor([0, 4, 5, 11, 19]), torch.tensor([8])]
+    pool = Pool(spec=SPECS["default"], seed=2, **SHARED)
+    picks = [torch.tensor([0, 4, 5, 11, 47]), torch.tensor([30, 49]), torch.tensor([3])]
     request = torch.cat([torch.full((p.numel(),), b) for b, p in enumerate(picks)])
-    grids = plan_grids(request, torch.cat(picks), [pool.row(0), pool.row(1)])
+    grids = plan_grids(request, torch.cat(picks), [pool.row(b) for b in range(3)])
     q = torch.randn(request.numel(), HEADS, D, generator=torch.Generator().manual_seed(3))
-    got = row_attention(grids, q, pool.unrotated, pool.values, SCALE, RopeOnRead(spec))
-    want = torch.cat([pool.reference(qb, b, p) for b, (qb, p) in enumerate(zip(q.split([5, 1]), picks))])
-    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    got = row_attention(grids, q, pool.keys, pool.values, SCALE, pool.reads())
+    want = torch.cat([pool.reference(qb, b, p) for b, (qb, p) in enumerate(zip(q.split([5, 2, 1]), picks))])
+    torch.testing.assert_close(got, want, atol=5e-5, rtol=5e-5)
 
 
-@pytest.mark.parametrize("name", sorted(SPECS))
-def test_decode_over_unrotated_keys_equals_attention_over_rotated_keys(name):
-    spec = SPECS[name]
-    pool = Pool([1, 33, 8], spec, seed=4)
-    q = torch.randn(3, HEADS, D, generator=torch.Generator().manual_seed(5))
-    got = row_attention(decode_grids(pool.table, pool.row_index, pool.lengths), q, pool.unrotated, pool.values,
-                        SCALE, RopeOnRead(spec))
-    want = torch.cat([pool.reference(q[b:b + 1], b, torch.tensor([n - 1])) for b, n in enumerate(pool.lengths)])
-    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
-
-
-def test_a_slot_read_at_another_position_is_rotated_there():
-    """The point of storing K un-rotated: one slot serves readers at different positions."""
+def test_overlaid_keys_are_not_shifted():
+    """Keys `attend` overlays (computed at the reader's positions already) are used as given,
+    even where the slot under them belongs to a run read at a shift."""
     spec = SPECS["default"]
-    rope = RopeOnRead(spec)
-    k = torch.randn(1, KV_HEADS, D)
-    stored = rope.unrotate(rotate(k, torch.tensor([3]), spec), torch.tensor([3]), 4)[0]  # written at position 3
-    rows = torch.zeros(2, 9, KV_HEADS, D)
-    rows[0, 7], rows[1, 2] = stored, stored  # read by two rows, at positions 7 and 2
-    read = rope(rows)
-    torch.testing.assert_close(read[0, 7], rotate(k, torch.tensor([7]), spec)[0], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(read[1, 2], rotate(k, torch.tensor([2]), spec)[0], atol=1e-5, rtol=1e-5)
+    pool = Pool(spec=spec, seed=8, **SHARED)
+    row, at = pool.row(1), 30  # inside row 1's run read at +20
+    positions = torch.tensor([at, 49])
+    grids = plan_grids(torch.tensor([0, 0]), positions, [row], overlay=torch.tensor([True, False]))
+    assert len(grids) == 1 and grids[0].overlay_tokens.tolist() == [0]
+    q, k, v = torch.randn(2, HEADS, D), torch.randn(2, KV_HEADS, D), torch.randn(2, KV_HEADS, D)
+    got = attend(grids[0], q, k, v, pool.keys, pool.values, SCALE, reads=pool.reads())
+    group = HEADS // KV_HEADS
+    keys, values = rotate(pool.plain_k[row], torch.arange(50), spec), pool.values[row].clone()
+    keys[at], values[at] = k[0], v[0]
+    visible = torch.arange(50) <= positions[:, None]
+    mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
+    want = F.scaled_dot_product_attention(q.transpose(0, 1), keys.repeat_interleave(group, 1).transpose(0, 1),
+                                          values.repeat_interleave(group, 1).transpose(0, 1), attn_mask=mask,
+                                          scale=SCALE).transpose(0, 1)
+    torch.testing.assert_close(got, want, atol=5e-5, rtol=5e-5)
 
 
-def test_unrotate_then_read_is_the_identity_at_the_writers_position():
-    spec = SPECS["yarn"]
-    rope = RopeOnRead(spec)
-    k = torch.randn(5, KV_HEADS, D)
-    positions = torch.arange(5)
-    torch.testing.assert_close(rope(rope.unrotate(k, positions, 5)[None])[0], k, atol=1e-5, rtol=1e-5)
+def test_decode_tiles_group_each_row_by_shift():
+    pool = Pool(spec=SPECS["default"], seed=4, **SHARED)
+    tiles = decode_tiles(pool.table, pool.row_index, pool.lengths, pool.frames, tile=8)
+    assert tiles.first.tolist()[0] == 0 and tiles.first.tolist()[-1] == tiles.row.numel()
+    for b, n in enumerate(pool.lengths):
+        mine = slice(int(tiles.first[b]), int(tiles.first[b + 1]))
+        assert (tiles.row[mine] == b).all()
+        held = tiles.slots[mine][tiles.valid[mine]]
+        assert sorted(held.tolist()) == sorted(pool.row(b).tolist())  # every key once, no other
+        row_shift = pool.frames.shifts(pool.row(b))
+        for t in range(mine.start, mine.stop):
+            slots = tiles.slots[t][tiles.valid[t]]
+            positions = torch.nonzero(pool.row(b)[:, None] == slots[None, :])[:, 0]
+            assert (row_shift[positions] == tiles.shift[t]).all()  # one shift per tile
+    assert sorted(set(tiles.shift.tolist())) == [-28, 0, 20]
 
 
-def test_the_cos_sin_table_grows_with_the_rows():
-    spec = SPECS["llama3"]
-    rope = RopeOnRead(spec)
-    for length in (10, 300, 1000):  # within the first table, then past it twice
-        k = torch.randn(2, length, KV_HEADS, D)
-        positions = torch.arange(length)
-        want = rotate(k.transpose(0, 1), positions, spec).transpose(0, 1)
-        torch.testing.assert_close(rope(k), want, atol=1e-5, rtol=1e-5)
-    assert rope.table(1, torch.device("cpu"))[0].shape[0] >= 1000
+@pytest.mark.parametrize("tile,per_call", [(4, 64), (4, 5), (64, 64)])
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_tiled_decode_equals_attention_at_the_readers_positions(name, tile, per_call, monkeypatch):
+    """Tiles of 4 and 64 keys; rows taken together or (5 tiles a call) one by one."""
+    monkeypatch.setattr(rope_attention, "TILES_PER_CALL", per_call)
+    spec = SPECS[name]
+    pool = Pool(spec=spec, seed=4, **SHARED)
+    q = torch.randn(3, HEADS, D, generator=torch.Generator().manual_seed(5))
+    tiles = decode_tiles(pool.table, pool.row_index, pool.lengths, pool.frames, tile=tile)
+    assert len(tiles.calls) == (1 if per_call == 64 else 3)
+    got = tiled_decode_attention(q, pool.keys, pool.values, tiles, SCALE, pool.reads())
+    want = torch.cat([pool.reference(q[b:b + 1], b, torch.tensor([n - 1])) for b, n in enumerate(pool.lengths)])
+    torch.testing.assert_close(got, want, atol=5e-5, rtol=5e-5)
 
 
-def triton_cases() -> list[tuple[str, list[int]]]:
-    return [(name, lengths) for name in sorted(SPECS) for lengths in ([1, 33, 8], [70], [40, 50])]
-
-
-def share_slots(pool: Pool) -> None:
-    """Rows 0 and 1 read the same 20 slots (a Master) at different positions: row 1's positions
-    [25, 45) point at row 0's slots [5, 25), as mirror storage's zero copy does."""
-    first, second = pool.row_index[:2].tolist()
-    pool.table[second, 25:45] = pool.table[first, 5:25]
+def triton_cases() -> list[tuple[str, int]]:
+    return [(name, tile) for name in sorted(SPECS) for tile in (4, 16)]
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="run by test_triton_kernel_on_the_cpu")
-@pytest.mark.parametrize("name,lengths", triton_cases())
-def test_triton_decode_equals_the_torch_reference(name, lengths):
+@pytest.mark.parametrize("name,tile", triton_cases())
+def test_triton_decode_equals_the_torch_reference(name, tile):
     spec = SPECS[name]
-    pool = Pool(lengths, spec, seed=6)
-    if len(lengths) == 2:
-        share_slots(pool)
-    q = torch.randn(len(lengths), HEADS, D, generator=torch.Generator().manual_seed(7))
-    rope = RopeOnRead(spec)
-    want = row_attention(decode_grids(pool.table, pool.row_index, lengths), q, pool.unrotated, pool.values,
-                         SCALE, rope)
-    got = decode_attention_triton(q, pool.unrotated, pool.values, pool.table, pool.row_index,
-                                  torch.tensor(lengths, dtype=torch.int32), max(lengths), SCALE, rope)
+    pool = Pool(spec=spec, seed=6, lengths=[48, 50, 20, 1], share=[(25, 5, 20), (2, 30, 10)])
+    q = torch.randn(4, HEADS, D, generator=torch.Generator().manual_seed(7))
+    tiles = decode_tiles(pool.table, pool.row_index, pool.lengths, pool.frames, tile=tile)
+    want = tiled_decode_attention(q, pool.keys, pool.values, tiles, SCALE, pool.reads())
+    got = tiled_decode_attention_triton(q, pool.keys, pool.values, tiles, SCALE, pool.reads())
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    for b, n in enumerate(lengths):  # and both equal attention over K rotated at each reader's positions
-        row = pool.row(b)
-        k = rotate(pool.unrotated[row], torch.arange(n), spec)
-        group = HEADS // KV_HEADS
-        plain = F.scaled_dot_product_attention(q[b, :, None], k.repeat_interleave(group, 1).transpose(0, 1),
-                                               pool.values[row].repeat_interleave(group, 1).transpose(0, 1),
-                                               scale=SCALE)[:, 0]
-        torch.testing.assert_close(got[b], plain, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="this is the child's parent")
@@ -184,17 +218,3 @@ def test_triton_kernel_on_the_cpu():
                             timeout=600, cwd=os.path.dirname(__file__))
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert f"{len(triton_cases())} passed" in result.stdout, result.stdout[-2000:]
-
-
-@pytest.mark.parametrize("name", sorted(SPECS))
-def test_unrotate_from_the_cached_tables_equals_core_rope(name):
-    """What the pool keeps of K (the backend and the blended prefill un-rotate every K they
-    write) comes from RopeOnRead's cached tables, grown past their first size, and is the exact
-    inverse of the model's rotation, YaRN's attention factor divided out."""
-    spec = SPECS[name]
-    rope = RopeOnRead(spec)
-    k, positions = torch.randn(40, KV_HEADS, D), torch.randint(0, 700, (40,))
-    rotated = rotate(k, positions, spec)
-    torch.testing.assert_close(rope.unrotate(rotated, positions, 700), unrotate(rotated, positions, spec),
-                               atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(rope.unrotate(rotated, positions, 700), k, atol=1e-4, rtol=1e-4)

@@ -87,8 +87,8 @@ class TokenDanceArgs:
         "(--no-tokendance-sparse-writeback keeps the probe's recomputed KV there)."
     )
     storage: str = _option(
-        "dense", "Form of K in the KV pool: dense (SGLang's: rotated at each token's position) or mirror "
-        "(un-rotated; the tokendance attention backend rotates keys by the reader's positions as it reads)."
+        "dense", "Where reused KV is read: dense (each reader gets a copy rotated to its positions) or mirror "
+        "(zero copy: rows read the Masters' slots in place at a shift, through the tokendance attention backend)."
     )
     exact_recurrence: bool = _option(
         True, "A marked block met again at the same place after the same exact prefix (a static briefing after an "
@@ -220,7 +220,7 @@ class TokenDanceArgs:
 
     @property
     def mirror_storage(self) -> bool:
-        """K un-rotated in the KV pool, served by the tokendance attention backend."""
+        """Rows read Masters' slots in place, through the tokendance attention backend."""
         return self.storage == "mirror"
 
     @property
@@ -291,15 +291,15 @@ ATTENTION_BACKEND_FIELDS = ("attention_backend", "prefill_attention_backend", "d
 
 
 def _check_storage(args: TokenDanceArgs, get: Callable[..., Any]) -> None:
-    """The pool's K form and the attention backend must agree: only the tokendance backend
-    keeps K un-rotated and rotates it on read, and it keeps nothing else."""
+    """The storage and the attention backend must agree: only the tokendance backend reads slots
+    at a shift (Masters read in place), and only mirror storage records the frames it needs."""
     chosen = {name: get(name) for name in ATTENTION_BACKEND_FIELDS if get(name) is not None}
     flag = lambda name: "--" + name.replace("_", "-")  # noqa: E731
     if not args.mirror_storage:
         for name, value in chosen.items():
             if value == ATTENTION_BACKEND:
-                raise TokenDanceArgsError(flag(name), f"the {ATTENTION_BACKEND} attention backend keeps K un-rotated "
-                                                      "in the KV pool; it needs --tokendance-storage mirror")
+                raise TokenDanceArgsError(flag(name), f"the {ATTENTION_BACKEND} attention backend reads Masters in "
+                                                      "place at a shift; it needs --tokendance-storage mirror")
         return
     if not args.kv_enabled:
         raise TokenDanceArgsError("--tokendance-storage", "mirror storage is part of TokenDance's KV machinery, "
@@ -310,8 +310,8 @@ def _check_storage(args: TokenDanceArgs, get: Callable[..., Any]) -> None:
                                   "overwrite: mirror storage needs sparse write-back")
     for name, value in chosen.items():
         if value != ATTENTION_BACKEND:
-            raise TokenDanceArgsError(flag(name), f"mirror storage keeps K un-rotated in the KV pool, which only "
-                                                  f"the {ATTENTION_BACKEND} attention backend reads; got {value}")
+            raise TokenDanceArgsError(flag(name), f"mirror storage reads Masters' slots in place at a shift, which "
+                                                  f"only the {ATTENTION_BACKEND} attention backend does; got {value}")
     if str(get("device") or "cuda") != "cpu" and not get("disable_cuda_graph"):
         raise TokenDanceArgsError("--disable-cuda-graph", f"the {ATTENTION_BACKEND} attention backend (mirror "
                                                           "storage) runs without CUDA graphs")

@@ -18,15 +18,15 @@ per-request attention costs, plus padding.
 
 `attend` also takes the seams the blended prefill needs: `overlay` KV for tokens whose KV
 must not reach the pool yet (the probe's, for reused tokens: their cached KV stays there),
-an optional `key_transform` of the gathered keys by their row positions (RoPE on read, for K
-stored un-rotated), and the attention mass the grid's queries pay chosen keys, from the same
+keys read at a shift (`KeyReads`: a row reading a slot whose K was rotated at another position,
+core/rope_attention), and the attention mass the grid's queries pay chosen keys, from the same
 pass's log-sum-exp.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +36,16 @@ import torch.nn.functional as F
 # blocks above the diagonal: measured at P = 256..4096, 2 threads), so the grid with fewer
 # pairs wins: causal from half the row on.
 CAUSAL_SHARE = 1 / 2
-KeyTransform = Callable[[torch.Tensor], torch.Tensor]  # k [B, Lk, kv_heads, d], key j at row position j
+
+
+class KeyReads(Protocol):
+    """How gathered keys reach their reader's positions (core/rope_attention.ShiftedReads)."""
+
+    def shifts(self, slots: torch.Tensor) -> torch.Tensor:
+        """[..., Lk] shift of each slot of rows [..., Lk] read at positions 0..Lk-1."""
+
+    def shift_(self, k: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        """k [..., heads, d] rotated in place by `shift` [...]."""
 
 
 @dataclass(frozen=True)
@@ -135,20 +144,23 @@ def _mass_plan(b: torch.Tensor, place: torch.Tensor, pos: torch.Tensor, marked: 
 
 
 def attend(grid: Grid, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
-           values: torch.Tensor, scale: float, key_transform: KeyTransform | None = None,
+           values: torch.Tensor, scale: float, reads: KeyReads | None = None,
            mass_out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention output [n, heads, d] of the grid's queries. q/k/v: the stage tokens' [tokens,
     heads or kv_heads, d]; keys/values: the KV buffers [slots, kv_heads, d] the rows are read
-    from (the overlaid tokens' k/v replace what is there). With `mass_out` ([marked tokens of
-    the stage]), also add to it the attention mass the plan's queries pay its keys (softmax
-    weights summed over queries and heads)."""
+    from (the overlaid tokens' k/v replace what is there); `reads`: the rows' keys are brought
+    to their positions (the overlaid ones are computed there already). With `mass_out` ([marked
+    tokens of the stage]), also add to it the attention mass the plan's queries pay its keys
+    (softmax weights summed over queries and heads)."""
     rows, lq, lk = grid.shape
     kg, vg = keys[grid.kv_slots], values[grid.kv_slots]  # [B, Lk, kv_heads, d] copies
     if grid.overlay_tokens.numel():
         kg.view(rows * lk, *kg.shape[2:])[grid.overlay_index] = k[grid.overlay_tokens]
         vg.view(rows * lk, *vg.shape[2:])[grid.overlay_index] = v[grid.overlay_tokens]
-    if key_transform is not None:
-        kg = key_transform(kg)
+    if reads is not None:
+        shift = reads.shifts(grid.kv_slots)
+        shift.view(-1)[grid.overlay_index] = 0
+        kg = reads.shift_(kg, shift)
     qg = q.new_zeros(rows * lq, *q.shape[1:])
     qg[grid.index] = q[grid.tokens]
     qg, kg, vg = qg.view(rows, lq, *q.shape[1:]).transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2)

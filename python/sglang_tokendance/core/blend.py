@@ -40,12 +40,12 @@ layouts are built once. The probe never overwrites the reused tokens' cached KV:
 recomputed KV goes to attention as an overlay (scratch) and reaches the pool only where it is
 kept; the attention mass a rule needs comes from the check layer's own attention pass.
 The model and the KV storage come in through two small protocols, so the same code runs
-inside SGLang (srt/model.py) and in the quality harness (bench/). A store that keeps K
-un-rotated (mirror storage, core/rope_attention) is passed `rope_on_read`: every K the layers
-compute is un-rotated before it is written or overlaid, and attention rotates the keys it
-reads by their positions in the reader's row. The rules then compare un-rotated K, whose
-deviations equal the rotated ones' (rotations keep norms; YaRN's attention factor scales
-every K deviation alike).
+inside SGLang (srt/model.py) and in the quality harness (bench/). Under zero-copy storage a
+row reads Masters' slots in place, whose K was rotated at their author's positions (the slots'
+frames, core/slot_frames): the blended prefill is passed `reads` (core/rope_attention), and
+attention and the rules see each read key at the reader's position -- the cached K a rule
+compares with the recomputed one is rotated by its shift first, so both are in one frame.
+Everything the layers compute is written at its own position, as SGLang writes it.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ import torch
 
 from sglang_tokendance.core.attention import Grid, attend, plan_grids
 from sglang_tokendance.core.collective import GroupRun, share_runs
-from sglang_tokendance.core.rope_attention import RopeOnRead
+from sglang_tokendance.core.rope_attention import ShiftedReads
 from sglang_tokendance.core.selection import CheckState, ReusedSegment, SelectionRule, kept_share, select_kept
 
 
@@ -181,11 +181,11 @@ class BlendStats:
 
 def blended_prefill(model: LayerwiseModel, kv: KVStore, ids: torch.Tensor, positions: torch.Tensor,
                     requests: Sequence[RequestRow], options: BlendOptions, rule: SelectionRule | None,
-                    rope_on_read: RopeOnRead | None = None) -> tuple[torch.Tensor, BlendStats]:
+                    reads: ShiftedReads | None = None) -> tuple[torch.Tensor, BlendStats]:
     """Final normed hidden states [tokens, hidden] (zeros at rows not computed: reused tokens
-    not kept) for the flattened extend tokens of `requests`; `rope_on_read` when `kv` keeps K
-    un-rotated."""
-    batch = _Batch(requests, positions, ids, rope_on_read, options)
+    not kept) for the flattened extend tokens of `requests`; `reads` when rows read slots at a
+    shift (zero-copy storage)."""
+    batch = _Batch(requests, positions, ids, reads, options)
     if not batch.stats.reused_tokens or max(batch.kept_shares(options)) <= 0:
         computed = ~batch.reused
         return _run_layers(model, kv, batch, model.embed(ids[computed]), computed, 0, batch.stats)
@@ -196,7 +196,7 @@ def blended_prefill(model: LayerwiseModel, kv: KVStore, ids: torch.Tensor, posit
         stats = dataclasses.replace(batch.stats, kept=kept, kept_tokens=batch.stats.reused_tokens)
         return _run_layers(model, kv, batch.with_own_slots(kept), model.embed(ids), torch.ones_like(batch.reused), 0,
                            stats)
-    checked = probe(model, kv, ids, positions, requests, rule, options, rope_on_read)
+    checked = probe(model, kv, ids, positions, requests, rule, options, reads)
     return finish(model, kv, checked, select(checked, rule, options), options)
 
 
@@ -222,7 +222,7 @@ class Probe:
 
 def probe(model: LayerwiseModel, kv: KVStore, ids: torch.Tensor, positions: torch.Tensor,
           requests: Sequence[RequestRow], rule: SelectionRule, options: BlendOptions,
-          rope_on_read: RopeOnRead | None = None) -> Probe:
+          reads: ShiftedReads | None = None) -> Probe:
     """Layers 0..c on every token: the fresh tokens' KV written, the reused tokens' recomputed
     KV kept next to their cached KV in the CheckState (for scoring, and for `finish` to write
     where it is kept).
@@ -238,7 +238,7 @@ def probe(model: LayerwiseModel, kv: KVStore, ids: torch.Tensor, positions: torc
     c, s = options.check_layer, options.screen_layer if options.screened else 0
     if not 1 <= c < model.num_layers:
         raise ValueError(f"check layer must be in [1, {model.num_layers - 1}], got {c}")
-    batch = _Batch(requests, positions, ids, rope_on_read, options)
+    batch = _Batch(requests, positions, ids, reads, options)
     if batch.own_locs is not None and not options.sparse_writeback:
         raise ValueError("dense write-back would write the probe's KV into shared Master slots: "
                          "zero-copy reuse needs sparse write-back")
@@ -268,7 +268,7 @@ def _probe_layers(model, kv, checked: Probe, layers: range, with_attention: bool
     batch, state = checked.batch, checked.state
     stage = _Stage(model, batch, checked.rows, scratch=batch.reused[checked.rows], mass=with_attention)
     for layer in layers:
-        state.cached_k.append(kv.keys(layer)[stage.scratch_locs])  # indexing copies
+        state.cached_k.append(stage.read_at_rows(kv.keys(layer)[stage.scratch_locs]))  # indexing copies
         state.cached_v.append(kv.values(layer)[stage.scratch_locs])
         mass = stage.new_mass() if with_attention and layer == layers[-1] else None
         checked.hidden, k, v = _layer(model, kv, stage, layer, checked.hidden, mass)
@@ -374,9 +374,6 @@ def _layer(model, kv, stage: "_Stage", layer: int, hidden: torch.Tensor, mass: t
     """One layer for the stage's tokens: the KV of those not scratch written, one batched
     attention per grid (the scratch tokens' KV overlaid), `mass` filled when given."""
     q, k, v = model.qkv(layer, hidden, stage.rotary)
-    rope_on_read = stage.rope_on_read
-    if rope_on_read is not None:
-        k = rope_on_read.unrotate(k, stage.positions, stage.longest)
     if stage.final is None:
         kv.write(layer, stage.locs, k, v)
     else:
@@ -384,7 +381,7 @@ def _layer(model, kv, stage: "_Stage", layer: int, hidden: torch.Tensor, mass: t
     keys, values, scale = kv.keys(layer), kv.values(layer), model.attention_scale(layer)
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
     for grid in stage.grids:
-        out[grid.tokens] = attend(grid, q, k, v, keys, values, scale, key_transform=rope_on_read, mass_out=mass)
+        out[grid.tokens] = attend(grid, q, k, v, keys, values, scale, reads=stage.reads, mass_out=mass)
     return model.finish_layer(layer, hidden, out.flatten(1)), k, v
 
 
@@ -397,31 +394,37 @@ class _Stage:
 
     def __init__(self, model, batch: "_Batch", rows: torch.Tensor, scratch: torch.Tensor | None = None,
                  mass: bool = False):
-        self.rope_on_read = batch.rope_on_read
+        self.reads = batch.reads
         self.rows = rows
-        self.longest = max(row.numel() for row in batch.kv_rows)  # rows are longer than any of their positions
         self.locs = batch.locs[rows]
         self.positions = batch.positions[rows]
         self.rotary = model.rotary(self.positions)
         scratch = torch.zeros_like(rows, dtype=torch.bool) if scratch is None else scratch
         self.scratch_tokens = scratch.nonzero().squeeze(1)
         self.scratch_locs = self.locs[self.scratch_tokens]
+        self.scratch_shifts = None if self.reads is None else \
+            self.reads.shifts(self.scratch_locs, self.positions[self.scratch_tokens])
         self.final = (~scratch).nonzero().squeeze(1) if self.scratch_tokens.numel() else None  # None: all
         self.final_locs = None if self.final is None else self.locs[self.final]
         self.grids: list[Grid] = plan_grids(batch.request[rows], self.positions, batch.kv_rows,
                                             overlay=scratch, mass=mass)
+
+    def read_at_rows(self, cached_k: torch.Tensor) -> torch.Tensor:
+        """The scratch tokens' cached K (gathered) at their positions in their rows."""
+        return cached_k if self.reads is None else self.reads.shift_(cached_k, self.scratch_shifts)
 
     def new_mass(self) -> torch.Tensor:
         return torch.zeros(self.scratch_tokens.numel(), device=self.rows.device)
 
 
 class _Batch:
-    """Index bookkeeping of a flattened extend batch, built once, and the form of its store's K."""
+    """Index bookkeeping of a flattened extend batch, built once, and how its rows read slots
+    written at other positions."""
 
     def __init__(self, requests: Sequence[RequestRow], positions: torch.Tensor, ids: torch.Tensor,
-                 rope_on_read: RopeOnRead | None, options: BlendOptions):
+                 reads: ShiftedReads | None, options: BlendOptions):
         self.requests = list(requests)
-        self.rope_on_read = rope_on_read
+        self.reads = reads
         self.positions = positions
         self.ids = ids
         counts = [r.num_tokens for r in self.requests]

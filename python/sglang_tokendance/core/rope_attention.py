@@ -1,88 +1,97 @@
-"""Attention over K stored un-rotated: RoPE is applied by the reader's positions as keys are read.
+"""Attention over KV read at a shift: RoPE is relative, so a run read away from its frame
+costs one rotation of the query, not one of every key.
 
-SGLang's pool keeps K rotated at the position of the request that wrote it, so a slot can only
-be read at that position. Kept un-rotated (position-agnostic), one slot can serve every request
-that reads it, each at its own offset: a reader rotates each key by that key's position in its
-own row (its index in req_to_token), which is the position the key has in the reader's prompt.
-Rotation happens after the gather, before the dot products; for a key written and read at the
-same position this equals attention over rotated K within float rounding.
+The pool keeps K as SGLang writes it, rotated at the position of the row that computed it
+(the slot's frame, core/slot_frames). A row that reads slot s at its own position n sees that
+key at shift d = n - frame[s], and <R_m q, R_(f+d) k> = <R_(m-d) q, R_f k>: the reader may
+rotate its query by -d instead of the key by +d. Every key of a Master run read by one row has
+the same d, so:
 
-* `RopeOnRead`: the un-rotate on write and the rotate on read, as core/attention's
-  `key_transform` seam takes it (the batched attention there is the torch reference).
-* `extend_grids` / `decode_grids`: an SGLang extend or decode batch's queries planned once per
-  forward (core/attention.plan_grids), then `row_attention` per layer.
-* `decode_attention_triton`: the decode step fused in one Triton kernel (gather the row's slots,
-  rotate each key by its index in the row, online softmax), for CUDA; checked against
-  `row_attention` under TRITON_INTERPRET=1 on the CPU.
+* decode (`decode_tiles`, `tiled_decode_attention`): a row's keys are grouped by shift into
+  tiles of one shift each; a tile's query is rotated once, its partial attention and
+  log-sum-exp computed (one flash-attention call per row, the tiles as its batch), and the
+  tiles of a row merged by log-sum-exp (split-K decoding). The Triton kernel
+  (`tiled_decode_attention_triton`, for CUDA) does the same per tile in one program per
+  (row, head), checked against the torch path under TRITON_INTERPRET=1.
+* extend (`extend_grids`, `row_attention`): many queries read the same keys, so the gathered
+  keys whose shift is not 0 are rotated once (`ShiftedReads.shift_`), then core/attention's
+  batched attention runs as for any row.
+
+Rows whose every shift is 0 never come here: they are SGLang's layout, served by SGLang's own
+attention (srt/attention.py).
 """
 
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from sglang_tokendance.core.attention import Grid, attend, plan_grids
+from sglang_tokendance.core.attention import Grid, attend, plan_grids, sdpa_with_lse
 from sglang_tokendance.core.rope import RopeSpec, attention_scaling, cos_sin
+from sglang_tokendance.core.slot_frames import SlotFrames
 
 
-class RopeOnRead:
-    """K kept un-rotated in the KV store; each reader rotates a key by its position in its row.
+TILES_PER_CALL = 64  # tiles one torch decode call takes: 4096 keys at 64 a tile, ~3 MB of K (SmolLM2)
 
-    The cos/sin of row positions 0.. are computed once per device (grown as rows grow), so a
-    forward's layers do not recompute them. The torch path rotates a whole gathered row in
-    a few full-width ops, k * C + swap(k) * S (C: cos on rotated dims, 1 elsewhere; S: -sin /
-    +sin on a pair's first / second dim, 0 elsewhere; swap exchanges each pair's dims) --
-    core/rope's formula, without splitting or transposing the rows."""
 
-    def __init__(self, spec: RopeSpec):
+class ShiftedReads:
+    """Slots' K rotated at their frames; a reader rotates what it reads by the shift.
+
+    Rotation by d is k * C[|d|] + swap(k) * S[|d|] * sign(d) (C: cos on the rotated dims, 1
+    elsewhere; S: -sin / +sin on a pair's first / second dim; swap exchanges each pair's dims):
+    core/rope's formula as a few full-width ops on cached tables, without the attention factor
+    (K carries YaRN's already)."""
+
+    def __init__(self, spec: RopeSpec, frames: SlotFrames):
         self.spec = spec
+        self.frames = frames
         half = torch.arange(spec.rotary_dim // 2)
         self._first, self._second = (2 * half, 2 * half + 1) if spec.layout == "interleaved" else \
             (half, half + spec.rotary_dim // 2)
         self._tables: dict[torch.device, tuple[torch.Tensor, ...]] = {}
 
-    def _tables_for(self, length: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """(cos, sin [size, rotary_dim // 2], C, S, and the inverse's C, S [size, head_dim]),
-        size >= length. The inverse divides out the attention factor (YaRN) on the rotated dims."""
+    def shifts(self, slots: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        return self.frames.shifts(slots, positions)
+
+    def tables(self, largest: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """(cos, sin [size, rotary_dim // 2], C, S [size, head_dim]) of shifts 0..size - 1,
+        size > largest."""
         tables = self._tables.get(device)
-        if tables is None or tables[0].shape[0] < length:
-            size = max(length, 256 if tables is None else 2 * tables[0].shape[0])
+        if tables is None or tables[0].shape[0] <= largest:
+            size = max(largest + 1, 256 if tables is None else 2 * tables[0].shape[0])
             cos, sin = cos_sin(self.spec, torch.arange(size, device=device))
+            cos, sin = cos / attention_scaling(self.spec), sin / attention_scaling(self.spec)
             c = torch.ones(size, self.spec.head_dim, device=device)
             s = torch.zeros_like(c)
             c[:, self._first], c[:, self._second] = cos, cos
             s[:, self._first], s[:, self._second] = -sin, sin
-            inverse = 1.0 / attention_scaling(self.spec) ** 2
-            c_inv, s_inv = c.clone(), -s * inverse
-            rotated = torch.cat((self._first, self._second))
-            c_inv[:, rotated] *= inverse
-            tables = self._tables[device] = (cos, sin, c, s, c_inv, s_inv)
+            tables = self._tables[device] = (cos, sin, c, s)
         return tables
 
-    def table(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 cos/sin [>= length, rotary_dim // 2] of positions 0.. (core/rope.cos_sin)."""
-        return self._tables_for(length, device)[:2]
+    def shift_(self, k: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        """Rotate k [..., heads, d] by `shift` [...] in place where it is not 0 (callers pass
+        gathered copies) and return it: K read at frame f becomes K at f + shift."""
+        flat, moved = k.view(-1, *k.shape[-2:]), shift.reshape(-1)
+        where = moved.nonzero().squeeze(1)
+        if where.numel():
+            flat[where] = self.turned(flat[where], moved[where])
+        return k
 
-    def unrotate(self, k: torch.Tensor, positions: torch.Tensor, longest: int) -> torch.Tensor:
-        """What the store keeps of K the model rotated at `positions` ([tokens, kv_heads, d]),
-        every position below `longest` (core/rope.unrotate, from the cached tables)."""
-        _, _, _, _, c, s = self._tables_for(longest, k.device)
-        return self._turn(k, c[positions, None], s[positions, None])
-
-    def __call__(self, k: torch.Tensor) -> torch.Tensor:
-        """core/attention's KeyTransform: gathered rows k [..., Lk, kv_heads, d], key j read at
-        row position j."""
-        length = k.shape[-3]
-        _, _, c, s, _, _ = self._tables_for(length, k.device)
-        return self._turn(k, c[:length, None], s[:length, None])
-
-    def _turn(self, k: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-        kf = k.float()  # in place on the product: out-of-place addcmul broadcasts far slower on the CPU
-        return (kf * c).addcmul_(self._swap_pairs(kf), s).to(k.dtype)
+    def turned(self, x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        """x [n, heads, d] rotated by `shift` [n] (a new tensor, every row, no host sync but
+        the table's size)."""
+        distance = shift.abs()
+        _, _, c, s = self.tables(int(distance.max()) if distance.numel() else 0, x.device)
+        sign = torch.where(shift < 0, -1.0, 1.0).to(s.dtype)[:, None, None]
+        xf = x.float()
+        return (xf * c[distance, None]).addcmul_(self._swap_pairs(xf), s[distance, None] * sign).to(x.dtype)
 
     def _swap_pairs(self, k: torch.Tensor) -> torch.Tensor:
-        """k with the two dims of every rotated pair exchanged (slices, not a gather: far faster on the CPU)."""
+        """k with the two dims of every rotated pair exchanged (slices, not a gather)."""
         r, half = self.spec.rotary_dim, self.spec.rotary_dim // 2
         if self.spec.layout == "half":
             pairs = (k[..., half:r], k[..., :half])
@@ -99,70 +108,145 @@ def extend_grids(slot_table: torch.Tensor, row_index: torch.Tensor, prefix_lens:
     counts = torch.tensor(extend_lens, device=device)
     request = torch.repeat_interleave(torch.arange(len(extend_lens), device=device), counts)
     position = torch.cat([torch.arange(p, p + n, device=device) for p, n in zip(prefix_lens, extend_lens)])
-    lengths = [p + n for p, n in zip(prefix_lens, extend_lens)]
-    return plan_grids(request, position, _rows(slot_table, row_index, lengths))
-
-
-def decode_grids(slot_table: torch.Tensor, row_index: torch.Tensor, lengths: list[int]) -> list[Grid]:
-    """Grids of a decode batch: one query per request, at the last of its `lengths[b]` positions."""
-    device = slot_table.device
-    position = torch.tensor(lengths, device=device) - 1
-    return plan_grids(torch.arange(len(lengths), device=device), position, _rows(slot_table, row_index, lengths))
-
-
-def _rows(slot_table: torch.Tensor, row_index: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
-    return [slot_table[i, :n].to(torch.int64) for i, n in zip(row_index.tolist(), lengths)]
+    rows = [slot_table[i, :p + n].to(torch.int64) for i, p, n in zip(row_index.tolist(), prefix_lens, extend_lens)]
+    return plan_grids(request, position, rows)
 
 
 def row_attention(grids: list[Grid], q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
-                  rope: RopeOnRead) -> torch.Tensor:
+                  reads: ShiftedReads) -> torch.Tensor:
     """Output [tokens, heads, dv] of the planned queries q [tokens, heads, d] over their rows of
-    `keys` (un-rotated) and `values` ([slots, kv_heads, d]), causal by position, GQA."""
+    `keys` (rotated at their slots' frames) and `values` ([slots, kv_heads, d]), causal by
+    position, GQA."""
     out = q.new_empty(q.shape[0], q.shape[1], values.shape[2])
     none = keys[:0]  # no overlay: every key comes from the store
     for grid in grids:
-        out[grid.tokens] = attend(grid, q, none, none, keys, values, scale, key_transform=rope)
+        out[grid.tokens] = attend(grid, q, none, none, keys, values, scale, reads=reads)
     return out
 
 
-def decode_attention_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slot_table: torch.Tensor,
-                            row_index: torch.Tensor, lengths: torch.Tensor, longest: int, scale: float,
-                            rope: RopeOnRead) -> torch.Tensor:
-    """One decode step: q [B, heads, d] (request b at position lengths[b] - 1) over the first
-    lengths[b] (at most `longest`, known on the host) slots of row slot_table[row_index[b]],
-    keys un-rotated; out [B, heads, dv]."""
+@dataclass(frozen=True)
+class DecodeTiles:
+    """A decode batch's keys in tiles of one shift each, sorted by row: tile t holds up to
+    `slots.shape[1]` keys of batch row `row[t]`, all read at shift `shift[t]`; `first[b]` is
+    row b's first tile (first[B]: the number of tiles)."""
+
+    row: torch.Tensor  # [T] int64
+    shift: torch.Tensor  # [T] int64
+    slots: torch.Tensor  # [T, tile] int64 (padding: slot 0)
+    valid: torch.Tensor  # [T, tile] bool
+    first: torch.Tensor  # [B + 1] int64
+
+    @functools.cached_property
+    def padding(self) -> torch.Tensor:
+        """[T, tile] additive attention mask of the padding (-inf), built once per forward."""
+        return torch.zeros(self.valid.shape, device=self.valid.device).masked_fill_(~self.valid, float("-inf"))
+
+    @functools.cached_property
+    def calls(self) -> list[tuple[slice, slice]]:
+        """Consecutive rows taken together (rows, their tiles): up to TILES_PER_CALL tiles, or
+        one longer row alone. Read on the host once per forward."""
+        first, calls, start = self.first.tolist(), [], 0
+        for b in range(1, len(first)):
+            if b == len(first) - 1 or first[b + 1] - first[start] > TILES_PER_CALL:
+                calls.append((slice(start, b), slice(first[start], first[b])))
+                start = b
+        return calls
+
+
+def decode_tiles(slot_table: torch.Tensor, row_index: torch.Tensor, lengths: list[int], frames: SlotFrames,
+                 tile: int = 64) -> DecodeTiles:
+    """Tiles of a decode batch: request b reads the first lengths[b] slots of row
+    slot_table[row_index[b]], key j at position j; its keys are grouped by shift (each group
+    in row order) and each group cut into tiles of `tile`. One pass over the whole batch."""
+    device = slot_table.device
+    longest = max(lengths)
+    rows = slot_table[row_index.to(device), :longest].to(torch.int64)
+    inside = torch.arange(longest, device=device) < torch.tensor(lengths, device=device)[:, None]
+    request = torch.arange(len(lengths), device=device)[:, None].expand_as(rows)[inside]
+    shift, slot = frames.shifts(rows)[inside], rows[inside]
+    low = shift.min() if shift.numel() else 0
+    key = request * (int(shift.max() - low) + 1 if shift.numel() else 1) + (shift - low)  # (request, shift)
+    key, order = torch.sort(key, stable=True)  # row order kept within a group
+    _, counts = torch.unique_consecutive(key, return_counts=True)
+    per_group = (counts + tile - 1) // tile
+    tiles = int(per_group.sum())
+    group_start = torch.cumsum(counts, 0) - counts
+    padded_start = (torch.cumsum(per_group, 0) - per_group) * tile
+    rank = torch.arange(key.numel(), device=device) - torch.repeat_interleave(group_start, counts)
+    place = torch.repeat_interleave(padded_start, counts) + rank
+    slots = torch.zeros(tiles * tile, dtype=torch.int64, device=device)
+    valid = torch.zeros(tiles * tile, dtype=torch.bool, device=device)
+    slots[place], valid[place] = slot[order], True
+    row = torch.repeat_interleave(request[order][group_start], per_group)
+    first = torch.zeros(len(lengths) + 1, dtype=torch.int64, device=device)
+    first[1:] = torch.cumsum(torch.bincount(row, minlength=len(lengths)), 0)
+    return DecodeTiles(row, torch.repeat_interleave(shift[order][group_start], per_group), slots.view(tiles, tile),
+                       valid.view(tiles, tile), first)
+
+
+def tiled_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tiles: DecodeTiles,
+                           scale: float, reads: ShiftedReads) -> torch.Tensor:
+    """One decode step, torch: q [B, heads, d] over the tiles' keys (rotated at their frames)
+    and values, GQA; out [B, heads, dv]. A few rows at a time (`DecodeTiles.calls`: the
+    gathered KV stays small, as in SGLang's row-by-row torch decode): one attention call over
+    their tiles as a batch, each tile's query rotated by minus its shift, then each row's tiles
+    merged by their log-sum-exp."""
+    tq = reads.turned(q[tiles.row], -tiles.shift)[:, :, None]  # [T, heads, 1, d]
+    padding = tiles.padding.to(q.dtype)
+    out = q.new_empty(q.shape[0], q.shape[1], values.shape[2])
+    for rows, mine in tiles.calls:
+        slots = tiles.slots[mine]
+        part, lse = sdpa_with_lse(tq[mine], keys[slots].transpose(1, 2), values[slots].transpose(1, 2),
+                                  padding[mine, None, None], scale)
+        part, lse = part[:, :, 0].float(), lse[:, :, 0]  # [tiles, heads, dv], [tiles, heads]
+        row = tiles.row[mine] - rows.start
+        best = lse.new_full((rows.stop - rows.start, lse.shape[1]), float("-inf")).scatter_reduce_(
+            0, row[:, None].expand_as(lse), lse, "amax")
+        weight = (lse - best[row]).exp()
+        total = torch.zeros_like(best).index_add_(0, row, weight)
+        merged = torch.zeros(total.shape[0], *part.shape[1:], device=q.device).index_add_(0, row,
+                                                                                          weight[..., None] * part)
+        out[rows] = merged / total[..., None]
+    return out
+
+
+def tiled_decode_attention_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tiles: DecodeTiles,
+                                  scale: float, reads: ShiftedReads) -> torch.Tensor:
+    """`tiled_decode_attention` in one Triton kernel: program (b, h) walks row b's tiles, rotates
+    its query by minus each tile's shift once and folds the tile into an online softmax."""
     batch, heads, head_dim = q.shape
     kv_heads, dv = keys.shape[1], values.shape[2]
-    spec = rope.spec
+    spec = reads.spec
     half = spec.rotary_dim // 2
-    cos, sin = rope.table(longest, q.device)
     out = q.new_empty(batch, heads, dv)
     if batch == 0:
         return out
-    _decode_kernel[(batch, heads)](
-        q, keys, values, slot_table, row_index, lengths, cos, sin, out,
+    cos, sin, _, _ = reads.tables(int(tiles.shift.abs().max()) if tiles.shift.numel() else 0, q.device)
+    slots = tiles.slots.contiguous()
+    valid = tiles.valid.to(torch.int8).contiguous()
+    _tiled_decode_kernel[(batch, heads)](
+        q, keys, values, slots, valid, tiles.shift, tiles.first, cos, sin, out,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
-        slot_table.stride(0), out.stride(0), out.stride(1), cos.stride(0), scale,
+        slots.stride(0), out.stride(0), out.stride(1), cos.stride(0), scale,
         GROUP=heads // kv_heads, HALF=half, BLOCK_HALF=triton.next_power_of_2(half), ROTARY=spec.rotary_dim,
         REST=head_dim - spec.rotary_dim, BLOCK_REST=triton.next_power_of_2(max(head_dim - spec.rotary_dim, 1)),
-        DV=dv, BLOCK_DV=triton.next_power_of_2(dv), INTERLEAVED=spec.layout == "interleaved", BLOCK_N=32,
+        DV=dv, BLOCK_DV=triton.next_power_of_2(dv), INTERLEAVED=spec.layout == "interleaved",
+        TILE=slots.shape[1],
     )
     return out
 
 
 @triton.jit
-def _decode_kernel(Q, K, V, Table, RowIndex, Lengths, Cos, Sin, Out,
-                   stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_table,
-                   stride_ob, stride_oh, stride_cos, scale,
-                   GROUP: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, ROTARY: tl.constexpr,
-                   REST: tl.constexpr, BLOCK_REST: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
-                   INTERLEAVED: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Program (b, h): query head h of request b, keys rotated pair by pair as they are loaded."""
+def _tiled_decode_kernel(Q, K, V, Slots, Valid, Shift, First, Cos, Sin, Out,
+                         stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_tile,
+                         stride_ob, stride_oh, stride_cos, scale,
+                         GROUP: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, ROTARY: tl.constexpr,
+                         REST: tl.constexpr, BLOCK_REST: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+                         INTERLEAVED: tl.constexpr, TILE: tl.constexpr):
+    """Program (b, h): query head h of request b over its tiles; keys are read as stored."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     kv_head = h // GROUP
-    length = tl.load(Lengths + b)
-    row = tl.load(RowIndex + b).to(tl.int64)
     pair = tl.arange(0, BLOCK_HALF)
     in_pair = pair < HALF
     if INTERLEAVED:
@@ -177,29 +261,34 @@ def _decode_kernel(Q, K, V, Table, RowIndex, Lengths, Cos, Sin, Out,
     q_rest = tl.load(q_base + ROTARY + rest, mask=in_rest, other=0.0).to(tl.float32)
     dv = tl.arange(0, BLOCK_DV)
     in_dv = dv < DV
+    n = tl.arange(0, TILE)
     best = -float("inf")
     total = 0.0
     acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
-    for start in range(0, length, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        in_row = n < length
-        slot = tl.load(Table + row * stride_table + n, mask=in_row, other=0).to(tl.int64)
+    for t in range(tl.load(First + b), tl.load(First + b + 1)):
+        shift = tl.load(Shift + t)
+        distance = tl.abs(shift)
+        cos = tl.load(Cos + distance * stride_cos + pair, mask=in_pair, other=1.0)
+        sin = tl.load(Sin + distance * stride_cos + pair, mask=in_pair, other=0.0)
+        sin = tl.where(shift > 0, -sin, sin)  # the query turns by minus the shift
+        r1 = q1 * cos - q2 * sin
+        r2 = q2 * cos + q1 * sin
+        valid = tl.load(Valid + t * stride_tile + n) != 0
+        slot = tl.load(Slots + t * stride_tile + n).to(tl.int64)
         k_base = K + slot[:, None] * stride_kn + kv_head * stride_kh
-        pair_mask = in_row[:, None] & in_pair[None, :]
+        pair_mask = valid[:, None] & in_pair[None, :]
         k1 = tl.load(k_base + first[None, :], mask=pair_mask, other=0.0).to(tl.float32)
         k2 = tl.load(k_base + second[None, :], mask=pair_mask, other=0.0).to(tl.float32)
-        cos = tl.load(Cos + n[:, None] * stride_cos + pair[None, :], mask=pair_mask, other=0.0)
-        sin = tl.load(Sin + n[:, None] * stride_cos + pair[None, :], mask=pair_mask, other=0.0)
-        score = tl.sum((k1 * cos - k2 * sin) * q1[None, :], 1) + tl.sum((k2 * cos + k1 * sin) * q2[None, :], 1)
+        score = tl.sum(k1 * r1[None, :], 1) + tl.sum(k2 * r2[None, :], 1)
         if REST > 0:
-            k_rest = tl.load(k_base + ROTARY + rest[None, :], mask=in_row[:, None] & in_rest[None, :], other=0.0)
+            k_rest = tl.load(k_base + ROTARY + rest[None, :], mask=valid[:, None] & in_rest[None, :], other=0.0)
             score += tl.sum(k_rest.to(tl.float32) * q_rest[None, :], 1)
-        score = tl.where(in_row, score * scale, -float("inf"))
+        score = tl.where(valid, score * scale, -float("inf"))
         new_best = tl.maximum(best, tl.max(score, 0))
         alpha = tl.exp(best - new_best)
         p = tl.exp(score - new_best)
         v = tl.load(V + slot[:, None] * stride_vn + kv_head * stride_vh + dv[None, :],
-                    mask=in_row[:, None] & in_dv[None, :], other=0.0).to(tl.float32)
+                    mask=valid[:, None] & in_dv[None, :], other=0.0).to(tl.float32)
         total = total * alpha + tl.sum(p, 0)
         acc = acc * alpha + tl.sum(p[:, None] * v, 0)
         best = new_best

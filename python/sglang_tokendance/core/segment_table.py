@@ -34,7 +34,7 @@ def token_checksum(ids: Sequence[int]) -> int:
 @dataclass(eq=False)
 class SegmentEntry:
     key: Hashable
-    slots: torch.Tensor  # one KV-pool slot per token, holding un-rotated K and V
+    slots: torch.Tensor  # one KV-pool slot per token (dense: a copy, K un-rotated; mirror: the author's, as written)
     num_ids: int  # the segment's token ids (an output segment has one slot fewer: its last token has no KV)
     checksum: int  # token_checksum of those ids
     last_access_time: float = field(default_factory=time.monotonic)

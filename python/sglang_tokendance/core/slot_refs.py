@@ -1,7 +1,7 @@
 """Reference counts of KV-pool slots that several owners hold at once (Master-Mirror storage).
 
-Under mirror storage a slot's K is un-rotated, so one slot can be read by several requests at
-different offsets. A slot then has several owners: the radix tree (one reference per tree
+Under mirror storage one slot can be read by several requests at different offsets (each at its
+shift from the slot's frame, core/slot_frames). A slot then has several owners: the radix tree (one reference per tree
 node value), each cached segment (a Master) that holds it, and each live request row that
 points at it. Every owner takes one reference and drops its own; the slot is free when the
 last goes. On top of the plain count, `tree` counts the tree nodes holding each slot and

@@ -5,23 +5,25 @@ Private prefixes behave exactly like SGLang's Python RadixCache: this class inhe
 (through srt/shared_slot_tree.py, per-slot tree counts, and srt/kept_mirrors.py, agents' rows).
 Besides the tree it keeps a SegmentTable keyed by (cache namespace, content hash): when a
 request checkpoints (SGLang calls `checkpoint` after every prefill chunk and step), each of
-its shared segments whose exact KV is complete becomes a segment (a Master). Segments hold K
-un-rotated (core/rope): one canonical form per hash, whatever context and offset the first
-one came from, so reuse at any position is a single `rotate`, or none under mirror storage.
+its shared segments whose exact KV is complete becomes a segment (a Master), read at any
+offset: a copy with K un-rotated (core/rope) that reuse rotates into place, or (mirror storage)
+the author's slots themselves, read where they are at a shift.
 Segments never cross SGLang's cache namespace (extra_key, cache_salt), the same isolation as
 its tree. They share one eviction order with the tree's leaves under `--radix-eviction-policy`;
 `/flush_cache` (reset) drops them with the tree.
 
 Masters and the rows reading them are the composed `MasterStorage` (srt/storage.py); two
-storages (the pool's K form, srt/kv_copy.PoolKeys):
-* dense (SGLang's pool, K rotated): a segment is copied, K un-rotated, into new slots; reuse
-  copies it back into the reading request's own slots, rotated to its positions.
-* mirror (K un-rotated, srt/pool.RefCountedAllocator): zero copy. A segment takes a
+storages, over SGLang's pool with K rotated at each token's position (srt/kv_copy.PoolKeys):
+* dense: a segment is copied, K un-rotated, into new slots; reuse copies it back into the
+  reading request's own slots, rotated to its positions.
+* mirror (srt/pool.RefCountedAllocator, every slot's frame recorded): zero copy. A segment takes a
   reference on the request's own (or the tree's) slots; a reading row points its reused
   positions at the Master's slots, taking a reference on each and pinning the Master (not
   evictable while a live row reads it), and keeps the slots SGLang allocated there aside.
   After the blended prefill (`settle`) a reused token it recomputed takes its own slot back
   (the Mirror's diff); the others' own slots are freed. Each owner frees its own reference.
+  Reading rows see a Master's K at a shift (core/rope_attention): the blended prefill through
+  `reads`, later forwards through the `tokendance` attention backend (srt/attention.py).
 
 Reuse wraps SGLang's allocation of a batch's slots (`restore_segments`, an AROUND hook on
 ScheduleBatch.prepare_for_extend): each request's chunk is planned first (srt/reuse.py,
@@ -51,6 +53,7 @@ from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 from sglang_tokendance.core.blend import BlendOptions
 from sglang_tokendance.core.cost import PrefillCost
 from sglang_tokendance.core.recurrence import Sightings
+from sglang_tokendance.core.rope_attention import ShiftedReads
 from sglang_tokendance.core.segment_table import SegmentEntry
 from sglang_tokendance.core.segments import segment_hash
 from sglang_tokendance.core.selection import SelectionRule, rule_named
@@ -72,7 +75,7 @@ logger = logging.getLogger(__name__)
 class SegmentForest(KeptMirrors):
     metrics: ForestMetrics = NO_METRICS  # replaced under --enable-metrics
 
-    def __init__(self, params, keys: PoolKeys | None, reuse: bool, salt: bytes = b"",
+    def __init__(self, params, keys: PoolKeys | None, reuse: bool, salt: bytes = b"", zero_copy: bool = False,
                  blend: BlendOptions = BlendOptions(), rule: SelectionRule | None = None,
                  min_segment_tokens: int = 16, options: Callable[[object], RequestOptions] | None = None,
                  group_of: Callable[[object], Hashable | None] = lambda req: None,
@@ -81,7 +84,7 @@ class SegmentForest(KeptMirrors):
         self.options = options or RequestOptionsCache()  # each request's TokenDance options, parsed once
         self.group_of = group_of  # the key of the round group a request is admitted with (srt/policy)
         self.leads = leads  # whether a request is admitted as its round's leader (srt/policy)
-        self.keys = keys  # the pool's K form; None: no segments are cached (a plain radix cache)
+        self.keys = keys  # the pool's RoPE; None: no segments are cached (a plain radix cache)
         self.reuse = reuse and keys is not None
         self.salt = salt
         self.blend, self.rule = blend, rule
@@ -93,7 +96,7 @@ class SegmentForest(KeptMirrors):
         self.planned: dict[int, ChunkPlan] = {}  # req_pool_idx -> its plan for the coming forward
         self.wanted: set[int] = set()  # ids of the segments the batch being allocated will read
         self.storage = MasterStorage(keys, params.token_to_kv_pool_allocator, params.req_to_token_pool,
-                                     lambda tokens: self.evict(EvictParams(num_tokens=tokens)))
+                                     lambda tokens: self.evict(EvictParams(num_tokens=tokens)), zero_copy)
         self.segments = self.storage.segments  # its Masters' table: planning and eviction read it
         self.zero_copy = self.storage.zero_copy  # set first: SGLang's __init__ resets (counts)
         super().__init__(params)
@@ -102,6 +105,8 @@ class SegmentForest(KeptMirrors):
         if self.zero_copy and not isinstance(self.token_to_kv_pool_allocator, RefCountedAllocator):
             raise ValueError("mirror storage needs the reference-counted KV allocator (srt/pool.py), "
                              f"got {type(self.token_to_kv_pool_allocator).__name__}")
+        # rows read Masters' slots where their author wrote them: the blended prefill reads them at a shift
+        self.reads = ShiftedReads(keys.rope, self.token_to_kv_pool_allocator.frames) if self.zero_copy else None
 
     def init_metrics_collector(self) -> None:
         """SGLang calls this under --enable-metrics: our series take the cache's labels."""
@@ -401,7 +406,7 @@ def build_forest(ctx: TreeCacheBuildContext, options: Callable[[object], Request
         raise ValueError("the tokendance radix cache supports full-attention models without HiCache")
     hf_config = ctx.model_config.hf_config
     args = TokenDanceArgs.from_env()
-    keys = PoolKeys(serving_rope_spec(hf_config), rotated=not args.mirror_storage)  # the launcher checked the RoPE
+    keys = PoolKeys(serving_rope_spec(hf_config))  # the launcher checked the RoPE
     architectures = list(hf_config.architectures or [])
     reuse = args.kv_enabled and len(architectures) == 1 and architectures[0] in SUPPORTED_ARCHITECTURES
     probes = args.recompute_ratio > 0 or args.approximate_budget is not None
@@ -412,7 +417,8 @@ def build_forest(ctx: TreeCacheBuildContext, options: Callable[[object], Request
     backend = ctx.server_args.prefill_attention_backend or ctx.server_args.attention_backend
     cost = PrefillCost(hf_config.num_hidden_layers, blend, rule.needs_attention,
                        prefix_queries=backend == "torch_native") if args.cost_check else None
-    return SegmentForest(ctx.params, keys, reuse=reuse, salt=model_salt_from_env(), blend=blend, rule=rule,
+    return SegmentForest(ctx.params, keys, reuse=reuse, salt=model_salt_from_env(), zero_copy=args.mirror_storage,
+                         blend=blend, rule=rule,
                          min_segment_tokens=args.min_segment_tokens, options=options, group_of=group_of, leads=leads,
                          exact_recurrence=args.exact_recurrence, cost=cost,
                          max_approximate=args.approximate_budget)

@@ -2,9 +2,8 @@
 
 An AROUND hook on the decoder forwards of srt/model.py: such a batch runs core/blend's
 blended prefill on the requests' chunk plans (srt/reuse.py); every other batch runs SGLang's
-own forward. The blended prefill reads and writes K in the pool's form (the forest's
-`PoolKeys`: under mirror storage un-rotated, and rotated on read). Under mirror storage the
-rows read the Masters' slots in place and carry the request's own slots for the reused
+own forward. Under mirror storage the rows read the Masters' slots in place, at a shift (the
+forest's `reads`) and carry the request's own slots for the reused
 positions (`RequestRow.own`); after the forward the forest settles them (kept tokens keep
 their own slots, the others' are freed). A batch the blended prefill cannot serve (input
 embeddings, captured hidden states) runs SGLang's forward too: every reused position gets
@@ -37,7 +36,7 @@ def model_forward(forest, original, model, input_ids, positions, forward_batch, 
                                                         forward_batch.req_pool_indices_cpu.tolist())]
     layers = SGLangLayers(model, forward_batch)
     hidden, stats = blended_prefill(layers, PoolKV(get_token_to_kv_pool(), layers), input_ids, positions, rows,
-                                    forest.blend, forest.rule, forest.keys.rope_on_read)
+                                    forest.blend, forest.rule, forest.reads)
     forest.settle([plan for plan in plans if plan is not None], stats.kept, stats.adopted)
     return hidden
 

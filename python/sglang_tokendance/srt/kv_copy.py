@@ -1,12 +1,11 @@
 """Copying KV between slots of SGLang's KV pool, every layer at once per call, in the pool's K form.
 
-Segments are stored with K un-rotated (one canonical form per content hash, whatever
-offset the first copy came from). The pool holds K in one of two forms (`PoolKeys`): rotated
-at each token's own position (SGLang's attention backends), or un-rotated (mirror storage:
-the `tokendance` attention backend rotates keys by the reader's positions as it reads them).
-Caching a segment copies request slots -> segment slots through `PoolKeys.unrotated`,
-restoring one copies segment slots -> request slots through `PoolKeys.pooled` at the reading
-request's positions: one rotation each way in a rotated pool, K as it is in an un-rotated one.
+Under dense storage segments are copied with K un-rotated (one canonical form per content
+hash, whatever offset the first copy came from), while the pool holds K rotated at each token's
+own position, as SGLang writes it (`PoolKeys`). Caching a segment copies request slots ->
+segment slots through `PoolKeys.unrotated`, restoring one copies segment slots -> request slots
+through `PoolKeys.pooled` at the reading request's positions: one rotation each way. (Mirror
+storage copies nothing: rows read Masters in place, srt/storage.py.)
 Callers gather every run of a batch into one call, and the K of all layers is transformed at
 once, so a copy costs one gather/scatter per layer and at most one rotation however many spans
 and layers it moves.
@@ -15,39 +14,30 @@ and layers it moves.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Callable
 
 import torch
 
 from sglang_tokendance.core.rope import RopeSpec, rotate, unrotate
-from sglang_tokendance.core.rope_attention import RopeOnRead
 
 KTransform = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (k [tokens, ..., d], positions [tokens])
 
 
 @dataclass(frozen=True)
 class PoolKeys:
-    """The form of K in the KV pool: `rotated` at each token's position, or un-rotated."""
+    """K in the KV pool, rotated at each token's position by the model's RoPE."""
 
     rope: RopeSpec
-    rotated: bool = True
 
     @property
-    def unrotated(self) -> KTransform | None:
-        """K read from the pool at some positions, un-rotated (a segment's form); None: as it is."""
-        return (lambda k, positions: unrotate(k, positions, self.rope)) if self.rotated else None
+    def unrotated(self) -> KTransform:
+        """K read from the pool at some positions, un-rotated (a copied segment's form)."""
+        return lambda k, positions: unrotate(k, positions, self.rope)
 
     @property
-    def pooled(self) -> KTransform | None:
-        """Un-rotated K as the pool holds it at some positions; None: as it is."""
-        return (lambda k, positions: rotate(k, positions, self.rope)) if self.rotated else None
-
-    @cached_property
-    def rope_on_read(self) -> RopeOnRead | None:
-        """What attention over the pool does to the keys it reads (None: they are rotated already);
-        one for the pool's life, so its cos/sin table is built once."""
-        return None if self.rotated else RopeOnRead(self.rope)
+    def pooled(self) -> KTransform:
+        """Un-rotated K as the pool holds it at some positions."""
+        return lambda k, positions: rotate(k, positions, self.rope)
 
 
 def serving_rope_spec(hf_config) -> RopeSpec:

@@ -69,7 +69,7 @@ def _register_forest(runtime) -> None:
 
 
 def _register_attention() -> None:
-    """The "tokendance" attention backend (K un-rotated in the pool, RoPE on read), a choice of
+    """The "tokendance" attention backend (rows reading Masters in place at a shift), a choice of
     --attention-backend; --tokendance-storage mirror selects it (server_args checks the pair)."""
     from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
     from sglang.srt.layers.attention.attention_registry import register_attention_backend

@@ -1,10 +1,12 @@
-"""SGLang's token-to-KV-pool allocator with reference-counted slots (mirror storage).
+"""SGLang's token-to-KV-pool allocator with reference-counted slots and slot frames (mirror storage).
 
 Under `--tokendance-storage mirror` a KV slot can have several owners (core/slot_refs): the
 radix tree, the segment table's Masters, and every live request row that reads a Master in
 place. SGLang frees a request's row, a tree leaf or a duplicate through `free`; here `free`
 drops one reference per slot and a slot returns to the free list when its last reference
-goes. With one owner per slot (all SGLang does by itself) this is SGLang's allocator.
+goes. With one owner per slot (all SGLang does by itself) this is SGLang's allocator. It also keeps
+every slot's frame (core/slot_frames: the position its K was rotated at), which the attention
+backend records and every reader of a slot in place needs.
 
 Installed by an AFTER hook on `KVCacheConfigurator._build_token_to_kv_pool_allocator`, only
 under mirror storage, and only where SGLang built its plain page-size-1 allocator: the hook
@@ -16,6 +18,7 @@ from __future__ import annotations
 import torch
 from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
 
+from sglang_tokendance.core.slot_frames import SlotFrames
 from sglang_tokendance.core.slot_refs import SlotRefs
 
 
@@ -23,11 +26,13 @@ class RefCountedAllocator(TokenToKVPoolAllocator):
     """A slot is free when its last owner frees it."""
 
     refs: SlotRefs
+    frames: SlotFrames
     released: int = 0  # slots whose last reference went, ever (free now, or when a free group ends)
 
     def clear(self) -> None:
         super().clear()
         self.refs = SlotRefs(self.size, self.device)
+        self.frames = SlotFrames(self.size, self.device)
 
     def alloc(self, need_size: int):
         slots = super().alloc(need_size)

@@ -2,15 +2,17 @@
 
 The forest (srt/forest.py) owns one `MasterStorage` beside its radix tree. It holds the
 SegmentTable (one Master per (namespace, content hash)) and every slot operation on the KV
-pool that reuse needs, in the pool's K form (srt/kv_copy.PoolKeys):
+pool that reuse needs (the pool keeps K rotated at each token's position, srt/kv_copy.PoolKeys):
 
-* dense (SGLang's pool, K rotated): a Master is a copy, K un-rotated, in slots of its own;
-  a reading row gets the KV copied into its own slots, rotated to its positions.
-* mirror (K un-rotated, srt/pool.RefCountedAllocator): zero copy. A Master takes a reference
+* dense: a Master is a copy, K un-rotated, in slots of its own; a reading row gets the KV
+  copied into its own slots, rotated to its positions.
+* mirror (srt/pool.RefCountedAllocator): zero copy. A Master takes a reference
   on the writer's (or the tree's) slots; a reading row points its reused positions at the
   Master's slots (a reference each, the Master pinned: never evicted while read), and keeps
   the slots SGLang allocated there aside in its ChunkPlan until the forward has run
   (`settle_row`: a kept token takes its own slot back, the Mirror's diff; the rest are freed).
+  The Master's K stays where its author rotated it (the slots' frames): readers read it at a
+  shift (core/rope_attention).
 
 Each request's state (srt/reuse.RequestReuse) records the Masters its row reads, so
 `release` drops exactly its references and pins.
@@ -34,9 +36,10 @@ from sglang_tokendance.srt.reuse import ChunkPlan, RequestReuse
 
 
 class MasterStorage:
-    def __init__(self, keys: PoolKeys | None, allocator, req_to_token_pool, evict: Callable[[int], None]):
+    def __init__(self, keys: PoolKeys | None, allocator, req_to_token_pool, evict: Callable[[int], None],
+                 zero_copy: bool = False):
         self.keys = keys  # None: nothing is cached (a forest without segments)
-        self.zero_copy = keys is not None and not keys.rotated  # mirror storage: rows read Masters' slots in place
+        self.zero_copy = keys is not None and zero_copy  # mirror storage: rows read Masters' slots in place
         self.allocator = allocator
         self.req_to_token_pool = req_to_token_pool
         self.evict = evict  # the forest's eviction: free at least this many slots if it can
