@@ -46,6 +46,9 @@ def test_metrics_helpers():
     budgeted = Setting.parse("attention-kv r=0.3 c=5 s=1 m=100")
     assert budgeted.budget == 100 and Setting.parse(budgeted.label) == budgeted
     assert Setting.parse("attention-kv r=0.3 c=5").budget is None
+    mirrored = Setting.parse("attention-kv r=0.3 c=5 st=mirror e=0.05")
+    assert (mirrored.storage, mirrored.diff_threshold) == ("mirror", 0.05) and Setting.parse(mirrored.label) == mirrored
+    assert Setting.parse("plain st=mirror").storage == "mirror" and Setting.parse("plain").storage == "dense"
 
 
 def test_teacher_forced_decode_steps_are_decode_steps(runner):
@@ -263,6 +266,27 @@ def test_fidelity_mode_reports_content_steps_budgets_and_block_deviation(tmp_pat
     with pytest.raises(SystemExit):
         bench_quality.parse_args(["--fidelity", "--presets", "town"])
     assert bench_quality.parse_args(["--fidelity"]).num_agents == (4, 10, 16)
+
+
+def test_diff_gaps_mode_measures_each_reused_tokens_worst_layer_gap(tmp_path, tiny_path):
+    from sglang_tokendance import bench_quality
+
+    out = tmp_path / "gaps.jsonl"
+    bench_quality.main(["--model-path", str(tiny_path), "--diff-gaps", "--num-agents", "2,3", "--prompts-per-n", "1",
+                        "--presets", "debate", "--seeds", "0", "--history-words", "20", "--block-words", "25",
+                        "--output-file", str(out)])
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    prompts = [r for r in records if r["kind"] == "prompt"]
+    assert [(r["agents"], r["agent"]) for r in prompts] == [(2, 0), (3, 0)]
+    for r in prompts:
+        layers = json.loads((tiny_path / "config.json").read_text())["num_hidden_layers"]
+        assert len(r["worst"]) > 0 and len(r["layer_median"]) == layers
+        assert r["layer_median"][0] == pytest.approx(0, abs=1e-5)  # layer 0's KV does not see the context
+        assert max(r["worst"]) > 0  # deeper, it does
+    summary = [r for r in records if r["kind"] == "summary"]
+    shares = [summary[0][f"share <= {e:g}"] for e in bench_quality.GAP_THRESHOLDS]
+    assert shares == sorted(shares) and 0 <= shares[0] and shares[-1] <= 1
+    assert out.with_suffix(".md").exists() and out.with_suffix(".png").stat().st_size > 0
 
 
 def test_cli_writes_results(tmp_path, tiny_path):

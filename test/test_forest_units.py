@@ -299,9 +299,10 @@ def test_segment_copies_store_k_unrotated_and_restore_it_at_the_readers_position
     assert torch.equal(v_buffers[0][reader], v_buffers[0][:4])
 
 
-def mirror_forest(size: int = 64, rows: int = 4):
+def mirror_forest(size: int = 64, rows: int = 4, diff_threshold: float = 0.0):
     """A forest under mirror storage over SGLang's RadixCache, our RefCountedAllocator and a
-    req_to_token table (no model: the KV itself is never touched by zero-copy bookkeeping)."""
+    req_to_token table (no model: zero-copy bookkeeping never touches the KV, the diff
+    threshold reads it: one layer, one head of 8 dims)."""
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
     from sglang_tokendance.core.rope import RopeSpec
@@ -309,13 +310,15 @@ def mirror_forest(size: int = 64, rows: int = 4):
     from sglang_tokendance.srt.kv_copy import PoolKeys
     from sglang_tokendance.srt.pool import RefCountedAllocator
 
-    buffer = torch.zeros(size + 1, 1, 8)
-    kvcache = SimpleNamespace(start_layer=0, layer_num=1, get_key_buffer=lambda layer: buffer)
+    buffer, values = torch.zeros(size + 1, 1, 8), torch.zeros(size + 1, 1, 8)
+    kvcache = SimpleNamespace(start_layer=0, layer_num=1, get_key_buffer=lambda layer: buffer,
+                              get_value_buffer=lambda layer: values)
     allocator = RefCountedAllocator(size, dtype=torch.float32, device="cpu", kvcache=kvcache, need_sort=False)
     table = SimpleNamespace(req_to_token=torch.zeros(rows, 128, dtype=torch.int32))
     params = CacheInitParams(disable=False, req_to_token_pool=table, token_to_kv_pool_allocator=allocator,
                              page_size=1, eviction_policy="lru")
-    return SegmentForest(params, PoolKeys(RopeSpec(head_dim=8, rotary_dim=8, base=1e4)), reuse=True, zero_copy=True)
+    return SegmentForest(params, PoolKeys(RopeSpec(head_dim=8, rotary_dim=8, base=1e4)), reuse=True, zero_copy=True,
+                         diff_threshold=diff_threshold)
 
 
 class Req(SimpleNamespace):
@@ -406,15 +409,21 @@ def test_a_forward_that_computes_everything_gives_every_reused_position_its_own_
     assert forest.evictable_size() == 12 == 64 - allocator.available_size()
 
 
+def leaf_held_by_a_master(forest, key: str, accessed: float):
+    """Ten new slots held by a tree leaf (ids 200..209) and by the Master of segment `key`."""
+    slots = forest.token_to_kv_pool_allocator.alloc(10)
+    leaf = add_leaf(forest, list(range(200, 210)), int(slots[0]), accessed=accessed, created=accessed)
+    assert torch.equal(leaf.value, slots)
+    forest.storage.cache(((None, None), key), list(range(100, 110)), slots.to(torch.int32), 0, 10)
+    return slots, leaf
+
+
 def test_a_master_shared_with_the_tree_is_counted_once_and_outlives_the_trees_leaf():
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
     forest = mirror_forest()
     allocator = forest.token_to_kv_pool_allocator
-    slots = allocator.alloc(10)
-    tree = add_leaf(forest, list(range(200, 210)), int(slots[0]), accessed=1.0, created=1.0)
-    assert torch.equal(tree.value, slots)
-    forest.storage.cache(((None, None), "t"), list(range(100, 110)), slots.to(torch.int32), 0, 10)
+    slots, tree = leaf_held_by_a_master(forest, "t", accessed=1.0)
     assert forest.evictable_size() == 10 and 64 - allocator.available_size() == 10  # one slot, one count
     reader = reading_req(forest, 1, [SegmentSpan(0, 10, "t")], 12)
     forest.restore_segments(SimpleNamespace(reqs=[reader]), lambda: None)
@@ -620,3 +629,60 @@ def test_dense_storage_replaces_a_superseded_master_copy_at_once():
     assert allocator.available_size() == 16 - 6 - 6 and forest.storage.retired == []
     stats = forest.segments.stats(1)
     assert (stats["segment_duplicates"], stats["segments_superseded"], stats["segments_evicted"]) == (1, 1, 0)
+
+
+def test_eviction_under_mirror_storage_takes_what_frees_slots_before_what_frees_none():
+    """A tree leaf whose slots a Master also holds frees nothing alone: the least recently used
+    item that frees slots goes first, and the shared pair is kept; when only the pair is left,
+    both go and their slots come free."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    forest = mirror_forest()
+    allocator = forest.token_to_kv_pool_allocator
+    _, shared_leaf = leaf_held_by_a_master(forest, "m", accessed=0.0)
+    forest.segments.entries[((None, None), "m")].last_access_time = 0.5
+    alone = allocator.alloc(12)
+    add_leaf(forest, list(range(300, 312)), int(alone[0]), accessed=1.0, created=1.0)  # used most recently
+    assert forest.evictable_size() == 22
+    assert forest.evict(EvictParams(num_tokens=5)).num_tokens_evicted == 12
+    assert shared_leaf in forest.evictable_leaves and ((None, None), "m") in forest.segments
+    assert allocator.available_size() == 64 - 10
+    assert forest.evict(EvictParams(num_tokens=5)).num_tokens_evicted == 10
+    assert not forest.segments.entries and allocator.available_size() == 64
+
+
+def test_recomputed_kv_within_the_diff_threshold_of_its_master_is_not_kept():
+    """Mirror storage with --tokendance-diff-threshold: of two recomputed tokens, the one whose
+    K (read at the row's positions: the Master's is rotated at its author's) and V match the
+    Master's within the threshold reads the Master after all and frees its own slot; the other
+    keeps its own KV. Counted as recomputed, within_threshold and Mirror diff tokens."""
+    from sglang_tokendance.core.rope import rotate
+
+    forest = mirror_forest(diff_threshold=0.05)
+    allocator, rows = forest.token_to_kv_pool_allocator, forest.req_to_token_pool.req_to_token
+    keys, values = allocator.get_kvcache().get_key_buffer(0), allocator.get_kvcache().get_value_buffer(0)
+    spec = forest.keys.rope
+    plain_k, plain_v = torch.randn(12, 1, 8), torch.randn(12, 1, 8)
+    author = allocator.alloc(12)
+    keys[author], values[author] = rotate(plain_k, torch.arange(12), spec), plain_v
+    allocator.frames.record(author, torch.arange(12))
+    forest.storage.cache(((None, None), "a"), list(range(100, 112)), author.to(torch.int32), 0, 12)
+    allocator.free(author)
+    reader = reading_req(forest, 1, [SegmentSpan(2, 14, "a")], 20)  # reads the Master at shift +2
+    forest.restore_segments(SimpleNamespace(reqs=[reader]), lambda: None)
+    plan = forest.planned.pop(1)
+    own = plan.own.clone()
+    # what the blended prefill wrote for its two kept tokens: nearly the Master's KV, and far from it
+    keys[own[0]], values[own[0]] = rotate(plain_k[0:1], torch.tensor([2]), spec)[0] * 1.01, plain_v[0] * 0.99
+    keys[own[5]], values[own[5]] = rotate(plain_k[5:6] + 1.0, torch.tensor([7]), spec)[0], plain_v[5]
+    kept = torch.zeros(12, dtype=torch.bool)
+    kept[[0, 5]] = True
+    free_before = allocator.available_size()
+    forest.settle([plan], kept, None)
+    master = forest.segments.entries[((None, None), "a")].slots
+    assert rows[1, 2] == master[0] and rows[1, 7] == own[5]
+    assert allocator.available_size() == free_before + 11  # every own slot but token 5's
+    counts = forest.requests[reader].counts
+    assert (counts.recomputed_tokens, counts.within_threshold_tokens, counts.mirror_diff_tokens) == (2, 1, 1)
+    release(forest, reader, 20)
+    assert forest.stats()["row_references"] == 0 and forest.stats()["pinned_segments"] == 0

@@ -76,6 +76,23 @@ def test_mirror_reuse_answers_as_dense_reuse(dense_server, mirror_server):
         {k: dense["meta_info"]["tokendance"][k] for k in ("reused_tokens", "recomputed_tokens")}
     assert mirror["output_ids"] == dense["output_ids"]
     assert output_logprobs(mirror) == pytest.approx(output_logprobs(dense), abs=1e-4)
+    assert info["within_threshold_tokens"] == 0 and info["mirror_diff_tokens"] == info["recomputed_tokens"]
+
+
+def test_a_diff_threshold_no_recomputed_token_passes_keeps_no_diff(tiny_llama):
+    """--tokendance-diff-threshold large enough for every recomputed token: each reads its
+    Master after the forward (no own slot: the Mirror diff is empty), counted as within the
+    threshold; the server keeps serving and leaks nothing."""
+    with ServerProcess(["--model-path", tiny_llama, *CHUNK, "--tokendance-storage", "mirror",
+                        "--tokendance-diff-threshold", "1e9"]) as server:
+        with_logprobs(server.url, AUTHOR, "round", 2)
+        blended = with_logprobs(server.url, READER, "round")
+        assert_no_leak(server.url)
+        again = with_logprobs(server.url, READER, "round")
+        assert again["output_ids"] == blended["output_ids"]
+    info = blended["meta_info"]["tokendance"]
+    assert info["segment_hits"] == 2 and info["recomputed_tokens"] > 0
+    assert info["within_threshold_tokens"] == info["recomputed_tokens"] and info["mirror_diff_tokens"] == 0
 
 
 def test_mirror_ratio_one_equals_a_full_prefill(tiny_llama):

@@ -121,6 +121,8 @@ def test_labels_flags_and_cases():
     assert "--tokendance-max-approximate-tokens" not in flags
     budgeted = server_argv(replace(DEFAULT, budget=200), CONFIG)
     assert budgeted[-2:] == ["--tokendance-max-approximate-tokens", "200"]
+    mirrored = server_argv(replace(DEFAULT, storage="mirror", diff_threshold=0.05), CONFIG)
+    assert mirrored[-4:] == ["--tokendance-storage", "mirror", "--tokendance-diff-threshold", "0.05"]
     assert server_argv(None, CONFIG, Workload(4, round="all").server_flags)[2:] == ["--disable-tokendance"]
     assert server_argv(DEFAULT, CONFIG, Workload(4, round="all").server_flags)[2] == "--no-tokendance-round-leader"
     plain = server_argv(Setting(PLAIN), replace(CONFIG, options=replace(CONFIG.options, sparse_writeback=False)))

@@ -62,6 +62,7 @@ def test_blend_options_parse_and_validate():
                                  ("--tokendance-group-selection", "best", "one of per-request, aligned"),
                                  ("--tokendance-group-probe", "-1", ">= 0"),
                                  ("--tokendance-max-approximate-tokens", "-2", ">= -1"),
+                                 ("--tokendance-diff-threshold", "-0.1", ">= 0"),
                                  ("--tokendance-group-probe", "1", "needs --tokendance-group-selection aligned")]:
         with pytest.raises(TokenDanceArgsError, match=message) as err:
             parse([flag, value])
@@ -230,6 +231,7 @@ MIRROR = TokenDanceArgs(storage="mirror")
     (TokenDanceArgs(storage="mirror", sparse_writeback=False), {"attention_backend": "tokendance"},
      "--no-tokendance-sparse-writeback", "needs sparse write-back"),
     (TokenDanceArgs(), {"attention_backend": "tokendance"}, "--attention-backend", "--tokendance-storage mirror"),
+    (TokenDanceArgs(diff_threshold=0.05), {}, "--tokendance-diff-threshold", "--tokendance-storage mirror"),
     (TokenDanceArgs(disable_tokendance=True), {"prefill_attention_backend": "tokendance"},
      "--prefill-attention-backend", "--tokendance-storage mirror"),
 ])

@@ -54,8 +54,8 @@ from sglang_tokendance.bench import quality_server, report
 from sglang_tokendance.bench.quality import (MASTER_CHOICES, PLAIN, QualityConfig, QualityRunner, Setting,
                                              decode_kl_by_step, default_setting, deviation_by_block, measure_chunked,
                                              measure_divergence, measure_fidelity, measure_groups,
-                                             measure_master_choice, measure_prompts, prefill_timing, sample_dicts,
-                                             summarize)
+                                             measure_master_choice, measure_prompts, prefill_timing,
+                                             reused_kv_gaps, sample_dicts, summarize)
 from sglang_tokendance.bench.workloads import PRESETS
 from sglang_tokendance.bench.quality_server import ServerConfig, Workload
 from sglang_tokendance.core.blend import BlendOptions
@@ -68,6 +68,8 @@ DEFAULT_GROUPS_OUTPUT = Path("benchmark/results/quality_groups.jsonl")
 DEFAULT_MASTER_OUTPUT = Path("benchmark/results/quality_master_choice.jsonl")
 DEFAULT_CHUNKED_OUTPUT = Path("benchmark/results/quality_chunked.jsonl")
 DEFAULT_FIDELITY_OUTPUT = Path("benchmark/results/quality_fidelity.jsonl")
+DEFAULT_GAPS_OUTPUT = Path("benchmark/results/diff_gaps.jsonl")
+GAP_THRESHOLDS = (0.05, 0.1, 0.2, 0.4, 0.8)
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -179,6 +181,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                           help="';'-separated settings (default: plain; the server's default; the same with a "
                                "fidelity budget of 200 and 100 approximate tokens (m=); CacheBlend's K+V rule at "
                                "check layer 8, screened)")
+    p.add_argument("--diff-gaps", action="store_true",
+                   help="measure what --tokendance-diff-threshold could drop: each reused token's largest relative "
+                        "KV gap to its exact KV, over layers (uses --presets, --seeds, --num-agents, "
+                        "--prompts-per-n) instead of the sweep")
     server = p.add_argument_group("server mode")
     server.add_argument("--server", action="store_true",
                         help="measure through TokenDance servers vs a --disable-tokendance one instead of the sweep")
@@ -202,8 +208,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     server.add_argument("--server-max-total-tokens", type=int, default=8192,
                         help="--max-total-tokens of each started server (the prompts are short; keeps memory low)")
     args = p.parse_args(argv)
-    if args.server + args.groups + args.master_choice + bool(args.chunked) + args.fidelity > 1:
-        p.error("choose one of --server, --groups, --master-choice, --chunked and --fidelity")
+    if args.server + args.groups + args.master_choice + bool(args.chunked) + args.fidelity + args.diff_gaps > 1:
+        p.error("choose one of --server, --groups, --master-choice, --chunked, --fidelity and --diff-gaps")
     args.num_agents = args.num_agents or ((4, 10, 16) if args.fidelity else (4, 10))
     if any(size < 1 for size in args.chunked):
         p.error(f"--chunked sizes must be positive, got {args.chunked}")
@@ -249,14 +255,52 @@ def main(argv: list[str] | None = None) -> None:
         args.model_path = str(prepared_default_model())
     runner = QualityRunner(args.model_path)
     command = report.command_line("sglang_tokendance.bench_quality", argv)
-    modes = ("server", "groups", "master_choice", "chunked", "fidelity")
+    modes = ("server", "groups", "master_choice", "chunked", "fidelity", "diff_gaps")
     mode = next((m for m in modes if getattr(args, m)), "sweep")
     out = args.output_file or {"server": DEFAULT_SERVER_OUTPUT, "groups": DEFAULT_GROUPS_OUTPUT,
                                "master_choice": DEFAULT_MASTER_OUTPUT, "chunked": DEFAULT_CHUNKED_OUTPUT,
-                               "fidelity": DEFAULT_FIDELITY_OUTPUT, "sweep": DEFAULT_OUTPUT}[mode]
+                               "fidelity": DEFAULT_FIDELITY_OUTPUT, "diff_gaps": DEFAULT_GAPS_OUTPUT,
+                               "sweep": DEFAULT_OUTPUT}[mode]
     {"server": run_server, "groups": run_groups, "master_choice": run_master_choice, "chunked": run_chunked,
-     "fidelity": run_fidelity, "sweep": run_sweep}[mode](args, runner, out, command)
+     "fidelity": run_fidelity, "diff_gaps": run_diff_gaps, "sweep": run_sweep}[mode](args, runner, out, command)
     print(out.with_suffix(".md").read_text())
+
+
+def run_diff_gaps(args: argparse.Namespace, runner: QualityRunner, out: Path, command: str) -> None:
+    """--diff-gaps: per preset and N, the share of reused tokens a diff threshold would let read
+    their Master (worst-layer gap at most the threshold), quantiles, each layer's median gap."""
+    rows = reused_kv_gaps(runner, config_from(args), args.presets, args.seeds)
+    summary, layers = [], []
+    for preset, n in dict.fromkeys((r["preset"], r["agents"]) for r in rows):
+        mine = [r for r in rows if (r["preset"], r["agents"]) == (preset, n)]
+        worst = torch.tensor([g for r in mine for g in r["worst"]])
+        quantiles = torch.quantile(worst, torch.tensor([0.1, 0.5, 0.9])).tolist()
+        summary.append({"preset": preset, "agents": n, "tokens": worst.numel(),
+                        **{f"q{q}": v for q, v in zip((10, 50, 90), quantiles)},
+                        **{f"share <= {e:g}": float((worst <= e).float().mean()) for e in GAP_THRESHOLDS}})
+        median = torch.tensor([r["layer_median"] for r in mine]).mean(0).tolist()
+        layers.append({"preset": preset, "agents": n, **{f"L{j}": v for j, v in enumerate(median)}})
+    report.write_jsonl(out, [{"kind": "prompt", **r} for r in rows] + [{"kind": "summary", **r} for r in summary])
+    report.write_markdown(out.with_suffix(".md"), "What a diff threshold could drop: reused tokens' KV gap to exact "
+                          "(SmolLM2-135M)", command, [
+                              ("Measure", "Per reused token of each measured prompt: max over layers, K and V, of "
+                               "||exact - cached|| / ||exact|| (exact: a full prefill of the prompt; cached: its "
+                               "Master, written after its author's context, placed at the reader's positions). "
+                               "`share <= e`: the reused tokens a threshold e would let read their Master; the "
+                               "recomputed ones (those the selection ranks as deviating most) pass less often."),
+                              ("Worst-layer gap per preset and N", report.markdown_table(summary, [
+                                  "preset", "agents", "tokens", "q10", "q50", "q90",
+                                  *[f"share <= {e:g}" for e in GAP_THRESHOLDS]])),
+                              ("Median gap per layer", report.markdown_table(layers, [
+                                  "preset", "agents", *[k for k in layers[0] if k.startswith("L")]]))])
+    if not args.no_plot:
+        series = {f"{r['preset']} N={r['agents']}": (list(GAP_THRESHOLDS), [r[f"share <= {e:g}"] for e in
+                                                                          GAP_THRESHOLDS]) for r in summary}
+        by_layer = {f"{r['preset']} N={r['agents']}": (list(range(len(r) - 2)), [r[f"L{j}"] for j in range(len(r) - 2)])
+                    for r in layers}
+        report.plot_panels(out.with_suffix(".png"), "Reused tokens' KV gap to exact", [
+            report.Panel("share a threshold lets read the Master", "threshold e", "share of reused tokens", series),
+            report.Panel("median gap per layer", "layer", "relative L2 gap", by_layer)])
 
 
 def run_sweep(args: argparse.Namespace, runner: QualityRunner, out: Path, command: str) -> None:
@@ -547,8 +591,11 @@ meta_info["tokendance"] vs the in-process prefill. `inproc_first_kl`/`inproc_dec
 full-vocabulary KL in-process (decode: every teacher-forced step). `noise_*`: the reference server
 vs the in-process full prefill (the floor of any difference). `content`: the decode measures over
 content steps only, those where the in-process full prefill's next-token entropy exceeds 1 nat
-(`content_steps`: how many, of every teacher-forced step). Chunked rows: both servers at that
---chunked-prefill-size, the in-process side unchunked."""
+(`content_steps`: how many, of every teacher-forced step). `server_own`: reused positions holding
+the request's own slots (mirror storage: its Mirror diff), `server_within_threshold`: recomputed
+tokens that read their Master after all (--tokendance-diff-threshold), `server_compression`:
+reused positions per own slot. Chunked rows: both servers at that --chunked-prefill-size, the
+in-process side unchunked (which never uses mirror storage: `st=`/`e=` change the server alone)."""
 
 
 def run_server(args: argparse.Namespace, runner: QualityRunner, out: Path, command: str) -> None:
@@ -570,8 +617,8 @@ def run_server(args: argparse.Namespace, runner: QualityRunner, out: Path, comma
                     "content_steps"])),
                 ("Reuse counts and full-vocabulary KL (mean over agents)", report.markdown_table(rows, [
                     "workload", "setting", "same_prompts", "server_hits", "inproc_hits", "server_reused",
-                    "inproc_reused", "server_recomputed", "inproc_recomputed", "inproc_first_kl",
-                    "inproc_decode_kl"]))]
+                    "inproc_reused", "server_recomputed", "inproc_recomputed", "server_own",
+                    "server_within_threshold", "server_compression", "inproc_first_kl", "inproc_decode_kl"]))]
     report.write_markdown(out.with_suffix(".md"), "Blended prefill quality through the server vs in-process "
                           "(SmolLM2-135M)", command, sections)
     if not args.no_plot:

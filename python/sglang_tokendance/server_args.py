@@ -90,6 +90,11 @@ class TokenDanceArgs:
         "dense", "Where reused KV is read: dense (each reader gets a copy rotated to its positions) or mirror "
         "(zero copy: rows read the Masters' slots in place at a shift, through the tokendance attention backend)."
     )
+    diff_threshold: float = _option(
+        0.0, "Mirror storage: a recomputed token whose K and V lie within this relative L2 distance of its "
+        "Master's at every layer is not stored -- its row reads the Master there (a smaller Mirror diff; counted "
+        "as within_threshold_tokens in meta_info). 0: every recomputed token keeps its own KV."
+    )
     exact_recurrence: bool = _option(
         True, "A marked block met again at the same place after the same exact prefix (a static briefing after an "
         "agent's notes, last round's blocks in a growing conversation) is computed exactly and published to the "
@@ -296,6 +301,9 @@ def _check_storage(args: TokenDanceArgs, get: Callable[..., Any]) -> None:
     chosen = {name: get(name) for name in ATTENTION_BACKEND_FIELDS if get(name) is not None}
     flag = lambda name: "--" + name.replace("_", "-")  # noqa: E731
     if not args.mirror_storage:
+        if args.diff_threshold > 0:
+            raise TokenDanceArgsError("--tokendance-diff-threshold", "only mirror storage keeps a recomputed token's "
+                                      "KV as a diff against its Master; it needs --tokendance-storage mirror")
         for name, value in chosen.items():
             if value == ATTENTION_BACKEND:
                 raise TokenDanceArgsError(flag(name), f"the {ATTENTION_BACKEND} attention backend reads Masters in "
@@ -328,7 +336,7 @@ _TYPES = {"bool": bool, "int": int, "float": float, "str": str}
 _RANGES = {  # field -> (lowest, highest or None) allowed value
     "min_segment_tokens": (1, None), "max_segments": (1, None), "check_layer": (1, None), "block_size": (1, None),
     "block_head_tokens": (0, None), "screen_layer": (0, None), "screen_factor": (1, None), "recompute_ratio": (0, 1),
-    "max_approximate_tokens": (-1, None),
+    "max_approximate_tokens": (-1, None), "diff_threshold": (0, None),
     "round_window_ms": (0, 60_000), "round_min_shared": (0, None), "group_probe": (0, None),
 }
 

@@ -62,16 +62,20 @@ class Setting:
     group: str = "per-request"  # group selection (core/blend GROUP_SELECTIONS)
     probe: int = 0  # shared probe: members per shared segment that probe it (0: all)
     budget: int | None = None  # fidelity budget: most reused tokens left approximate (None: no bound)
+    storage: str = "dense"  # the server's --tokendance-storage (the in-process blend is the same either way)
+    diff_threshold: float = 0.0  # the server's --tokendance-diff-threshold (mirror storage)
 
     @property
     def label(self) -> str:
+        storage = (f" st={self.storage}" if self.storage != "dense" else "") + \
+            (f" e={self.diff_threshold:g}" if self.diff_threshold else "")
         if self.rule in (PLAIN, FULL):
-            return self.rule
+            return self.rule + storage
         screen = f" s={self.screen_layer}" if self.screen_layer else ""
         group = f" g={self.group}" if self.group != "per-request" else ""
         probe = f" k={self.probe}" if self.probe else ""
         budget = f" m={self.budget}" if self.budget is not None else ""
-        return f"{self.rule} r={self.ratio:g} c={self.check_layer}{screen}{group}{probe}{budget}"
+        return f"{self.rule} r={self.ratio:g} c={self.check_layer}{screen}{group}{probe}{budget}{storage}"
 
     def options(self, base: BlendOptions) -> BlendOptions:
         return replace(base, recompute_ratio=self.ratio, check_layer=self.check_layer, screen_layer=self.screen_layer,
@@ -79,18 +83,20 @@ class Setting:
 
     @classmethod
     def parse(cls, label: str) -> "Setting":
-        """The setting a `label` names ("plain", "attention-kv r=0.3 c=5 s=1 m=100"): for command lines."""
+        """The setting a `label` names ("plain", "attention-kv r=0.3 c=5 s=1 m=100 st=mirror e=0.05"):
+        for command lines."""
         rule, *fields = label.split()
-        if rule in (PLAIN, FULL) and not fields:
-            return cls(rule)
         values = dict(f.split("=", 1) if "=" in f else (f, "") for f in fields)
+        storage = values.pop("st", "dense"), float(values.pop("e", 0.0))
+        if rule in (PLAIN, FULL) and not values:
+            return cls(rule, storage=storage[0], diff_threshold=storage[1])
         if rule not in RULES or not {"r", "c"} <= set(values) <= {"r", "c", "s", "g", "k", "m"}:
             raise ValueError(f"bad setting {label!r}: write 'plain' or 'RULE r=RATIO c=CHECK_LAYER [s=SCREEN_LAYER] "
-                             f"[g=GROUP_SELECTION] [k=PROBERS] [m=MAX_APPROXIMATE_TOKENS]' with RULE one of "
-                             f"{', '.join(RULES)}")
+                             f"[g=GROUP_SELECTION] [k=PROBERS] [m=MAX_APPROXIMATE_TOKENS]', either followed by "
+                             f"[st=STORAGE] [e=DIFF_THRESHOLD], with RULE one of {', '.join(RULES)}")
         return cls(rule, float(values["r"]), int(values["c"]), int(values.get("s", 0)),
                    values.get("g", "per-request"), int(values.get("k", 0)),
-                   int(values["m"]) if "m" in values else None)
+                   int(values["m"]) if "m" in values else None, *storage)
 
 
 @dataclass(frozen=True)
@@ -688,16 +694,45 @@ def measure_fidelity(runner: QualityRunner, config: QualityConfig, presets: Sequ
     """Every setting of `settings` (each its own probe) on the first agents' round-0 prompts at
     every N of the sweep, for each workload preset and seed: how fidelity holds as N grows."""
     samples = []
+    for workload, n, i, prompt, store in preset_prompts(runner, config, presets, seeds, "fidelity"):
+        room = room_for(prompt, workload)
+        ref = reference_of(runner, prompt.input_ids, workload, room)
+        for setting in settings:
+            logits, kv, stats, _ = runner.run_setting(prompt, store, setting, workload.options, room)
+            samples.append(sample_of(runner, ref, prompt, workload, setting, logits, kv, stats, n, i))
+    return samples
+
+
+def preset_prompts(runner: QualityRunner, config: QualityConfig, presets: Sequence[str], seeds: Sequence[int],
+                   desc: str) -> Iterator[tuple[QualityConfig, int, int, SegmentedPrompt, SegmentStore]]:
+    """`agent_prompts` of each preset and seed (the workload's config first)."""
     for preset in presets:
         for seed in seeds:
             workload = replace(config, preset=preset, seed=seed)
-            for n, i, prompt, store in agent_prompts(runner, workload, f"fidelity {preset} seed={seed}"):
-                room = room_for(prompt, workload)
-                ref = reference_of(runner, prompt.input_ids, workload, room)
-                for setting in settings:
-                    logits, kv, stats, _ = runner.run_setting(prompt, store, setting, workload.options, room)
-                    samples.append(sample_of(runner, ref, prompt, workload, setting, logits, kv, stats, n, i))
-    return samples
+            for n, i, prompt, store in agent_prompts(runner, workload, f"{desc} {preset} seed={seed}"):
+                yield workload, n, i, prompt, store
+
+
+def reused_kv_gaps(runner: QualityRunner, config: QualityConfig, presets: Sequence[str],
+                   seeds: Sequence[int]) -> list[dict]:
+    """What a diff threshold (--tokendance-diff-threshold) could drop: per reused token of the
+    first agents' round-0 prompts, the largest relative L2 gap, over layers and K and V,
+    between its exact KV (a full prefill of the reader's prompt) and its Master's placed at the
+    reader's positions. One row per preset, seed, N and agent: the tokens' worst gaps and each
+    layer's median gap."""
+    def gap(exact: torch.Tensor, reused: torch.Tensor) -> torch.Tensor:  # [layers, tokens]
+        return (exact - reused).flatten(2).norm(dim=2) / exact.flatten(2).norm(dim=2).clamp_min(1e-12)
+
+    rows = []
+    for workload, n, i, prompt, store in preset_prompts(runner, config, presets, seeds, "KV gaps"):
+        room = room_for(prompt, workload)
+        _, full, _, _ = runner.run_setting(prompt, store, Setting(FULL), workload.options, room)
+        cached = runner.new_kv(room)
+        at = torch.cat([torch.arange(run.start, run.end) for run in store.place(prompt, cached)])
+        gaps = torch.maximum(gap(full.k[:, at], cached.k[:, at]), gap(full.v[:, at], cached.v[:, at]))
+        rows.append({"preset": workload.preset, "seed": workload.seed, "agents": n, "agent": i,
+                     "worst": gaps.max(0).values.tolist(), "layer_median": gaps.median(1).values.tolist()})
+    return rows
 
 
 def deviation_by_block(samples: Sequence[Sample], setting: str) -> list[dict]:

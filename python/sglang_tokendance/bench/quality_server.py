@@ -174,8 +174,8 @@ class ServerOutput:
             raise ValueError(f"{len(tops)} top-logprob lists for {len(response['output_ids'])} output tokens")
         return cls(list(response["output_ids"]), tops, meta["prompt_tokens"],
                    [(s["start"], s["end"]) for s in info.get("segments", [])],
-                   {k: info[k] for k in ("reused_tokens", "recomputed_tokens", "segment_hits", "round_master_tokens")
-                    if k in info})
+                   {k: info[k] for k in ("reused_tokens", "recomputed_tokens", "segment_hits", "round_master_tokens",
+                                         "mirror_diff_tokens", "within_threshold_tokens") if k in info})
 
 
 def compared_steps(reference: Sequence[int], blended: Sequence[int], decode_steps: int) -> range:
@@ -222,6 +222,8 @@ class ServerSample:
     server_content_tkl: float | None  # the decode measure over the compared content steps only
     inproc_content_kl: float | None  # full vocabulary, every teacher-forced content step
     content_steps: int  # teacher-forced decode steps where the full prefill's entropy exceeds CONTENT_ENTROPY
+    server_own: int = 0  # reused positions holding own slots (mirror storage: the Mirror diff)
+    server_within_threshold: int = 0  # recomputed, then read from the Master (mirror storage's diff threshold)
 
 
 def request_body(text: str, config: ServerConfig, max_new_tokens: int, with_logprobs: bool) -> dict:
@@ -259,6 +261,10 @@ def server_argv(setting: Setting | None, config: ServerConfig, workload_flags: S
                  "--tokendance-group-selection", setting.group, "--tokendance-group-probe", str(setting.probe)]
     if setting.budget is not None:
         argv += ["--tokendance-max-approximate-tokens", str(setting.budget)]
+    if setting.storage != "dense":
+        argv += ["--tokendance-storage", setting.storage]
+    if setting.diff_threshold:
+        argv += ["--tokendance-diff-threshold", str(setting.diff_threshold)]
     return argv + ([] if options.sparse_writeback else ["--no-tokendance-sparse-writeback"])
 
 
@@ -384,7 +390,8 @@ def compare(workload: Workload, agent: int, setting: Setting, prompt: SegmentedP
         truncated_kl(ref.tops[0], full.tops[0]), mean_or_none(step_kls(ref.tops, full.tops, forced)),
         common_prefix(ref.ids, full.greedy),
         mean_or_none(step_kls(ref.tops, blended.tops, [t for t in steps if t in content])),
-        mean_or_none(kl_rows(full.logits[content], mine.logits[content]).tolist()), len(content))
+        mean_or_none(kl_rows(full.logits[content], mine.logits[content]).tolist()), len(content),
+        blended.reuse.get("mirror_diff_tokens", 0), blended.reuse.get("within_threshold_tokens", 0))
 
 
 def run(config: ServerConfig, runner: QualityRunner, saved: SavedAnswers) -> list[ServerSample]:
@@ -445,5 +452,8 @@ def summarize(samples: Iterable[ServerSample]) -> list[dict]:
                          "steps_compared", "server_agree", "inproc_agree", "server_reused", "inproc_reused",
                          "server_recomputed", "inproc_recomputed", "server_hits", "inproc_hits",
                          "inproc_first_kl", "inproc_decode_kl", "noise_first_tkl", "noise_decode_tkl",
-                         "noise_agree", "server_content_tkl", "inproc_content_kl", "content_steps")}})
+                         "noise_agree", "server_content_tkl", "inproc_content_kl", "content_steps", "server_own",
+                         "server_within_threshold")}})
+        positions = sum(s.server_reused + s.server_recomputed for s in group)
+        rows[-1]["server_compression"] = positions / max(1, sum(s.server_own for s in group))
     return rows

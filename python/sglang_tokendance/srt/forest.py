@@ -48,12 +48,12 @@ from typing import Any, Callable, Hashable
 
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult
+from sglang.srt.mem_cache.radix_cache import TreeNode
 from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 
 from sglang_tokendance.core.blend import BlendOptions
 from sglang_tokendance.core.cost import PrefillCost
 from sglang_tokendance.core.recurrence import Sightings
-from sglang_tokendance.core.rope_attention import ShiftedReads
 from sglang_tokendance.core.segment_table import SegmentEntry
 from sglang_tokendance.core.segments import segment_hash
 from sglang_tokendance.core.selection import SelectionRule, rule_named
@@ -80,7 +80,7 @@ class SegmentForest(KeptMirrors):
                  min_segment_tokens: int = 16, options: Callable[[object], RequestOptions] | None = None,
                  group_of: Callable[[object], Hashable | None] = lambda req: None,
                  leads: Callable[[object], bool] = lambda req: False, exact_recurrence: bool = True,
-                 cost: PrefillCost | None = None, max_approximate: int | None = None):
+                 cost: PrefillCost | None = None, max_approximate: int | None = None, diff_threshold: float = 0.0):
         self.options = options or RequestOptionsCache()  # each request's TokenDance options, parsed once
         self.group_of = group_of  # the key of the round group a request is admitted with (srt/policy)
         self.leads = leads  # whether a request is admitted as its round's leader (srt/policy)
@@ -96,7 +96,8 @@ class SegmentForest(KeptMirrors):
         self.planned: dict[int, ChunkPlan] = {}  # req_pool_idx -> its plan for the coming forward
         self.wanted: set[int] = set()  # ids of the segments the batch being allocated will read
         self.storage = MasterStorage(keys, params.token_to_kv_pool_allocator, params.req_to_token_pool,
-                                     lambda tokens: self.evict(EvictParams(num_tokens=tokens)), zero_copy)
+                                     lambda tokens: self.evict(EvictParams(num_tokens=tokens)), zero_copy,
+                                     diff_threshold)
         self.segments = self.storage.segments  # its Masters' table: planning and eviction read it
         self.zero_copy = self.storage.zero_copy  # set first: SGLang's __init__ resets (counts)
         super().__init__(params)
@@ -105,8 +106,7 @@ class SegmentForest(KeptMirrors):
         if self.zero_copy and not isinstance(self.token_to_kv_pool_allocator, RefCountedAllocator):
             raise ValueError("mirror storage needs the reference-counted KV allocator (srt/pool.py), "
                              f"got {type(self.token_to_kv_pool_allocator).__name__}")
-        # rows read Masters' slots where their author wrote them: the blended prefill reads them at a shift
-        self.reads = ShiftedReads(keys.rope, self.token_to_kv_pool_allocator.frames) if self.zero_copy else None
+        self.reads = self.storage.reads  # the blended prefill reads Masters' slots at a shift (mirror)
 
     def init_metrics_collector(self) -> None:
         """SGLang calls this under --enable-metrics: our series take the cache's labels."""
@@ -275,28 +275,36 @@ class SegmentForest(KeptMirrors):
         slots are freed, and a Master none of whose tokens a row still reads is unpinned.
         Then each request's counts; one host sync for the batch."""
         if kept is None:  # ratio 0: nothing recomputed
-            masks, counts = [None] * len(plans), [(0, 0)] * len(plans)
-        else:
-            sizes = [plan.reused_tokens for plan in plans]
-            masks = kept.split(sizes)
-            adopted = adopted if adopted is not None else torch.zeros_like(kept)
-            counts = torch.stack([torch.stack([mask.sum(), took.sum()])
-                                  for mask, took in zip(masks, adopted.split(sizes))]).tolist()
-        for plan, mask, (recomputed, adopted_tokens) in zip(plans, masks, counts):
-            self.storage.settle_row(plan, mask)
-            self._record_recomputed(plan, recomputed, adopted_tokens)
+            for plan in plans:
+                self.storage.settle_row(plan, None)
+                self._record_recomputed(plan, 0)
+            return
+        sizes = [plan.reused_tokens for plan in plans]
+        masks = kept.split(sizes)
+        adopted = adopted if adopted is not None else torch.zeros_like(kept)
+        stored = [self.storage.settle_row(plan, mask) for plan, mask in zip(plans, masks)]
+        none = torch.zeros((), dtype=torch.int64, device=kept.device)
+        counts = torch.stack([torch.stack([mask.sum(), took.sum(), none if own is None else own.sum()])
+                              for mask, took, own in zip(masks, adopted.split(sizes), stored)]).tolist()
+        for plan, (recomputed, adopted_tokens, own) in zip(plans, counts):
+            self._record_recomputed(plan, recomputed, adopted_tokens, own)
 
     def _compute_in_full(self, plan: ChunkPlan) -> None:
         """SGLang's forward computes the plan's reused tokens, each into its own slot."""
         self.storage.revert(plan)
         self._record_recomputed(plan, plan.reused_tokens)
 
-    def _record_recomputed(self, plan: ChunkPlan, recomputed: int, adopted: int = 0) -> None:
-        """After the forward: `recomputed` of the plan's restored tokens were computed again
-        (under zero copy, after `settle_row`: only those hold own slots), `adopted` of them
-        skipped the probe."""
-        own = recomputed if self.zero_copy else plan.reused_tokens
-        plan.request.record_recomputed(plan, recomputed, own, adopted)
+    def _record_recomputed(self, plan: ChunkPlan, recomputed: int, adopted: int = 0, own: int | None = None) -> None:
+        """After the forward: `recomputed` of the plan's restored tokens were computed again,
+        `adopted` of them skipped the probe. Zero copy: `own` of the recomputed hold own slots
+        (`settle_row`; the rest were within the diff threshold; None: all); dense storage:
+        every reused position holds its own slot."""
+        if not self.zero_copy:
+            own = plan.reused_tokens
+        elif own is None:
+            own = recomputed
+        within = recomputed - own if self.zero_copy else 0
+        plan.request.record_recomputed(plan, recomputed, own, adopted, within)
         self.metrics.count_reuse(plan.reused_tokens - recomputed, recomputed, own)
         self.metrics.update_held()
 
@@ -306,19 +314,27 @@ class SegmentForest(KeptMirrors):
         """SGLang's leaf eviction with the segments in the same heap: each step frees the item
         the eviction strategy ranks first, leaf or segment (O(log n) per item), until enough
         tokens are free or nothing evictable is left. Segments the batch being allocated will
-        read (`restore_segments`) come after everything else."""
+        read (`restore_segments`) come after everything else; under mirror storage, so does an
+        item none of whose slots it alone holds (a leaf whose slots a Master also holds, or the
+        Master of a cached prefix): evicting it frees nothing unless its co-owner goes too."""
         if self.disable:
             return EvictResult()
         start_time = time.perf_counter()
         order = itertools.count()  # ties never compare nodes
         priority = self.eviction_strategy.get_priority
-        heap = [(False, priority(n), next(order), n) for n in self.evictable_leaves]
-        heap += [(id(e) in self.wanted, priority(e), next(order), e)
-                 for e in self.segments.entries.values() if not e.readers]
+
+        def entry(item, wanted: bool = False) -> tuple:
+            return wanted, self._frees_nothing(item), priority(item), next(order), item
+
+        heap = [entry(n) for n in self.evictable_leaves]
+        heap += [entry(e, id(e) in self.wanted) for e in self.segments.entries.values() if not e.readers]
         heapq.heapify(heap)
         evicted = 0
         while evicted < params.num_tokens and heap:
-            *_, item = heapq.heappop(heap)
+            wanted, nothing, *_, item = heapq.heappop(heap)
+            if not nothing and self._frees_nothing(item):  # a co-owner's references changed since
+                heapq.heappush(heap, entry(item, wanted))
+                continue
             if isinstance(item, SegmentEntry):
                 evicted += self._freed_by(lambda: self.storage.drop(item), len(item))
                 continue
@@ -327,11 +343,19 @@ class SegmentForest(KeptMirrors):
                                       len(item.value))
             self._delete_leaf(item)
             if len(item.parent.children) == 0 and item.parent.lock_ref == 0:
-                heapq.heappush(heap, (False, priority(item.parent), next(order), item.parent))
+                heapq.heappush(heap, entry(item.parent))
             self.kv_events.record_remove(item)
         self.update_eviction_metrics(evicted, start_time)
         self.metrics.update_held()
         return EvictResult(num_tokens_evicted=evicted)
+
+    def _frees_nothing(self, item: TreeNode | SegmentEntry) -> bool:
+        """Under mirror storage: every slot of `item` has another owner (evicting it alone
+        frees no slot). Dense storage: never."""
+        if not self.zero_copy:
+            return False
+        slots = item.slots if isinstance(item, SegmentEntry) else item.value
+        return not bool((self.token_to_kv_pool_allocator.refs.refs[slots] == 1).any())
 
     def _freed_by(self, release: Callable[[], None], tokens: int) -> int:
         """Slots that `release` (dropping an evicted item's `tokens` references) frees, now or
@@ -421,7 +445,7 @@ def build_forest(ctx: TreeCacheBuildContext, options: Callable[[object], Request
                          blend=blend, rule=rule,
                          min_segment_tokens=args.min_segment_tokens, options=options, group_of=group_of, leads=leads,
                          exact_recurrence=args.exact_recurrence, cost=cost,
-                         max_approximate=args.approximate_budget)
+                         max_approximate=args.approximate_budget, diff_threshold=args.diff_threshold)
 
 
 def restore_after_allocation(prepare_for_extend, batch, *args, **kwargs):

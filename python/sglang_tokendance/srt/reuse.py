@@ -42,6 +42,7 @@ class ReuseCounts:
     segment_misses: int = 0
     adopted_tokens: int = 0  # restored tokens that skipped the probe, taking their round group's choice
     mirror_diff_tokens: int = 0  # own slots at reused positions: recomputed ones (mirror), all (dense)
+    within_threshold_tokens: int = 0  # recomputed, then read from the Master: within --tokendance-diff-threshold
     agent_prefix_tokens: int = 0  # the prompt prefix read from its agent's kept Mirror (srt/kept_mirrors.py)
     exact_recurring_tokens: int = 0  # block tokens computed exactly where they recurred (core/recurrence.py)
     cost_fallback_tokens: int = 0  # matched block tokens computed because blending their chunk would not pay
@@ -197,14 +198,17 @@ class RequestReuse:
             self.counts.computed_tokens += lost
             self.publish()
 
-    def record_recomputed(self, plan: ChunkPlan, recomputed: int, own: int, adopted: int = 0) -> None:
+    def record_recomputed(self, plan: ChunkPlan, recomputed: int, own: int, adopted: int = 0,
+                          within_threshold: int = 0) -> None:
         """After the forward: `recomputed` of the plan's restored tokens were computed again;
         `own` of its reused positions hold the request's own slots (the rest read Masters);
-        `adopted` of them skipped the probe (shared probe)."""
+        `adopted` of them skipped the probe (shared probe); `within_threshold` recomputed ones
+        read their Master after all (mirror storage's diff threshold)."""
         self.counts.reused_tokens -= recomputed
         self.counts.recomputed_tokens += recomputed
         self.counts.computed_tokens += recomputed
         self.counts.mirror_diff_tokens += own
+        self.counts.within_threshold_tokens += within_threshold
         self.counts.adopted_tokens += adopted
         self.publish()
 

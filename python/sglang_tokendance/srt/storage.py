@@ -29,6 +29,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from sglang_tokendance.core.rope_attention import ShiftedReads
 from sglang_tokendance.core.segment_table import SegmentEntry, SegmentTable
 from sglang_tokendance.srt.kv_copy import PoolKeys, copy_kv
 from sglang_tokendance.srt.metrics import StorageCounts
@@ -37,9 +38,12 @@ from sglang_tokendance.srt.reuse import ChunkPlan, RequestReuse
 
 class MasterStorage:
     def __init__(self, keys: PoolKeys | None, allocator, req_to_token_pool, evict: Callable[[int], None],
-                 zero_copy: bool = False):
+                 zero_copy: bool = False, diff_threshold: float = 0.0):
         self.keys = keys  # None: nothing is cached (a forest without segments)
         self.zero_copy = keys is not None and zero_copy  # mirror storage: rows read Masters' slots in place
+        # rows read Masters' slots where their author wrote them, at a shift (slot frames in the allocator)
+        self.reads = ShiftedReads(keys.rope, allocator.frames) if self.zero_copy else None
+        self.diff_threshold = diff_threshold  # recomputed KV this close to the Master's is not kept (mirror)
         self.allocator = allocator
         self.req_to_token_pool = req_to_token_pool
         self.evict = evict  # the forest's eviction: free at least this many slots if it can
@@ -150,27 +154,48 @@ class MasterStorage:
             self._pin(run.master)
             plan.request.reading.append(run.master)
 
-    def settle_row(self, plan: ChunkPlan, kept: torch.Tensor | None) -> None:
+    def settle_row(self, plan: ChunkPlan, kept: torch.Tensor | None) -> torch.Tensor | None:
         """After the blended prefill (zero copy): the reused tokens it kept (`kept`, a mask
         over the plan's reused tokens; None: none) were computed into their own slots, which
-        the row takes back; the others keep reading the Master, and their own slots are freed.
-        A Master none of whose tokens the row still reads is unpinned."""
+        the row takes back -- but for those within the diff threshold of their Master, which
+        read the Master like the others; the others' own slots are freed. A Master none of
+        whose tokens the row still reads is unpinned. Returns the mask of the tokens that own
+        a slot now (None: none, or dense storage)."""
         own, plan.own = plan.own, None
         if own is None:
-            return
+            return None
+        masters = plan.request.read_slots[plan.prefix_len]
+        row = self.req_to_token_pool.req_to_token[plan.pool_index]
+        positions = plan.positions(row.device)
+        if kept is not None and self.diff_threshold > 0:
+            held, kept = kept.nonzero().squeeze(1), kept.clone()
+            kept[held] = ~self._within_threshold(own[held], masters[held], positions[held])
         if kept is None or not bool(kept.any()):
             self.allocator.free(own)
-            return
-        row = self.req_to_token_pool.req_to_token[plan.pool_index]
-        where = plan.positions(row.device)[kept]
-        row[where] = own[kept].to(row.dtype)
-        masters = plan.request.read_slots[plan.prefix_len]
+            return None
+        row[positions[kept]] = own[kept].to(row.dtype)
         self.allocator.unread(masters[kept])  # the row's references
         plan.request.read_slots[plan.prefix_len] = masters[~kept]
         self.allocator.free(own[~kept])
         for run, part in zip(plan.runs, kept.split([len(run) for run in plan.runs])):
             if bool(part.all()):
                 self._stop_reading(plan.request, run.master)
+        return kept
+
+    def _within_threshold(self, own: torch.Tensor, masters: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Of recomputed tokens (their own slots, the Master slots they read, their row
+        positions): those whose K and V lie within the diff threshold of the Master's at every
+        layer (relative L2 over heads and dims; the Master's K read at the row's positions)."""
+        pool, shift = self.pool, self.reads.shifts(masters, positions)
+        worst = torch.zeros(own.numel(), device=own.device)
+        for layer in range(pool.start_layer, pool.start_layer + pool.layer_num):
+            for buffer, turn in ((pool.get_key_buffer(layer), True), (pool.get_value_buffer(layer), False)):
+                mine, theirs = buffer[own].float(), buffer[masters].float()  # indexing copies
+                if turn:
+                    theirs = self.reads.shift_(theirs, shift)
+                gap = (mine - theirs).flatten(1).norm(dim=1) / mine.flatten(1).norm(dim=1).clamp_min(1e-12)
+                worst = torch.maximum(worst, gap)
+        return worst <= self.diff_threshold
 
     def revert(self, plan: ChunkPlan) -> None:
         """Undo `_point_at_masters` before a forward that computes every token itself (or none
