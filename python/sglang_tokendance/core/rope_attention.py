@@ -9,8 +9,8 @@ the same d, so:
 
 * decode (`decode_tiles`, `tiled_decode_attention`): a row's keys are grouped by shift into
   tiles of one shift each; a tile's query is rotated once, its partial attention and
-  log-sum-exp computed (one flash-attention call per row, the tiles as its batch), and the
-  tiles of a row merged by log-sum-exp (split-K decoding). The Triton kernel
+  log-sum-exp computed (one flash-attention call for a few rows, their tiles as its batch),
+  and the tiles of a row merged by log-sum-exp (split-K decoding). The Triton kernel
   (`tiled_decode_attention_triton`, for CUDA) does the same per tile in one program per
   (row, head), checked against the torch path under TRITON_INTERPRET=1.
 * extend (`extend_grids`, `row_attention`): many queries read the same keys, so the gathered
@@ -33,7 +33,6 @@ import triton.language as tl
 from sglang_tokendance.core.attention import Grid, attend, plan_grids, sdpa_with_lse
 from sglang_tokendance.core.rope import RopeSpec, attention_scaling, cos_sin
 from sglang_tokendance.core.slot_frames import SlotFrames
-
 
 TILES_PER_CALL = 64  # tiles one torch decode call takes: 4096 keys at 64 a tile, ~3 MB of K (SmolLM2)
 
