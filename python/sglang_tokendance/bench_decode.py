@@ -96,8 +96,7 @@ class Layouts:
             shared_v = torch.randn(runs * run, shape.kv_heads, shape.head_dim, generator=gen)
             k[~own], v[~own] = shared_k[master_of[~own]], shared_v[master_of[~own]]
             k, v = k.flatten(0, 1), v.flatten(0, 1)
-            dense_k, dense_v = k.new_zeros(batch * length + 1, *k.shape[1:]), k.new_zeros(batch * length + 1,
-                                                                                        *k.shape[1:])
+            dense_k, dense_v = (k.new_zeros(batch * length + 1, *k.shape[1:]) for _ in range(2))
             dense_k[1:], dense_v[1:] = rotate(k, positions, spec), v
             mirror_k, mirror_v, plain_k = (k.new_zeros(slots + 1, *k.shape[1:]) for _ in range(3))
             mirror_k[flat] = rotate(k, self.frames.frame[flat], spec)
@@ -106,7 +105,7 @@ class Layouts:
             self.mirror.append((mirror_k, mirror_v))
             self.unrotated.append((plain_k, mirror_v))
             self.q.append(torch.randn(batch, shape.heads, shape.head_dim, generator=gen))
-        self.shifts = self.frames.shifts(self.mirror_table).unique().numel()
+        self.distinct_shifts = self.frames.shifts(self.mirror_table).unique().numel()
 
 
 def sglang_decode(layouts: Layouts, heads: int, kv_heads: int):
@@ -176,7 +175,7 @@ def measure(shape: Shape, spec: RopeSpec, length: int, repeats: int, seed: int) 
         ms = statistics.median(times[name])
         rows.append({"path": name, "length": length, "step_ms": ms, "over_sglang": ms / base, "max_abs_diff": diff,
                      "plan_ms": statistics.median(plan_ms[1:] or plan_ms) if name == "frames" else None})
-    return rows, {"length": length, "distinct_shifts": layouts.shifts, "samples": times}
+    return rows, {"length": length, "distinct_shifts": layouts.distinct_shifts, "samples": times}
 
 
 def plot(path: Path, rows: list[dict]) -> None:

@@ -84,7 +84,7 @@ class TokenDanceAttnBackend(TorchNativeAttnBackend):
             return
         counts = [1] * len(lengths) if mode.is_decode() else list(forward_batch.extend_seq_lens_cpu)
         rows = torch.tensor(shifted)
-        plain = torch.tensor([b for b in range(len(lengths)) if b not in set(shifted)], dtype=torch.int64)
+        plain = torch.tensor(sorted(set(range(len(lengths))) - set(shifted)), dtype=torch.int64)
         tokens, plain_tokens = _tokens_of(counts, rows), _tokens_of(counts, plain)
         if mode.is_decode():
             layout = decode_tiles(table, index[rows], [lengths[b] for b in shifted], self.reads.frames)
@@ -129,12 +129,11 @@ class TokenDanceAttnBackend(TorchNativeAttnBackend):
 
     def _plain_decode(self, q, layer, forward_batch, keys, values) -> torch.Tensor:
         rows = self.shifted.plain
-        out = torch.empty_like(q) if layer.qk_head_dim == layer.v_head_dim else \
-            q.new_empty(q.shape[0], q.shape[1], layer.v_head_dim)
-        gqa = layer.tp_q_head_num != layer.tp_k_head_num
+        out = q.new_empty(q.shape[0], q.shape[1], layer.v_head_dim)
         return self._run_sdpa_forward_decode(q, out, keys, values, self.req_to_token_pool.req_to_token,
                                              forward_batch.req_pool_indices[rows], forward_batch.seq_lens[rows],
-                                             scaling=layer.scaling, enable_gqa=gqa)
+                                             scaling=layer.scaling,
+                                             enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num)
 
     def _plain_extend(self, q, layer, forward_batch, keys, values) -> torch.Tensor:
         rows = self.shifted.plain
