@@ -266,6 +266,67 @@ def test_capacity_repeats_reverse_the_modes_order_every_other_time():
         parse_args(["--capacity", "--capacity-repeats", "0"])
 
 
+@pytest.mark.slow
+def test_capacity_fit_finds_the_most_agents_live_at_once_at_the_kv_budget(tmp_path, tiny_llama):
+    """At 1000 KV tokens the round-1 prompts of four agents (~220 tokens each) are live at once;
+    five are not, so the fifth waits in SGLang's queue for another's KV and the search stops."""
+    from sglang_tokendance import bench_multiagent
+
+    out = tmp_path / "fit.jsonl"
+    bench_multiagent.main(["--capacity", "fit", "--modes", "radix", "--min-agents", "3", "--max-agents", "6",
+                           "--model-path", tiny_llama, "--num-rounds", "2", "--max-new-tokens", "4",
+                           "--max-total-tokens", "1000", "--output-file", str(out)])
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    probes = [r for r in records if r["type"] == "fit_probe"]
+    assert [(p["num_agents"], p["fits"], p["all_live"]) for p in probes] == [(3, True, True), (4, True, True),
+                                                                             (5, False, False)]
+    assert all(p["retracted"] == 0 and p["peak_kv_used_tokens"] <= 1000 for p in probes)
+    assert probes[2]["num_agents"] * probes[2]["prompt_tokens_per_agent"] > 1000  # the budget bound
+    (row,) = [r for r in records if r["type"] == "capacity_fit"]
+    assert (row["mode"], row["max_agents"], row["budget_tokens"]) == ("radix", 4, 1000)
+    assert row["peak_kv_tokens_per_agent"] == probes[1]["peak_kv_tokens_per_agent"]
+    assert (tmp_path / "fit_capacity_fit.png").stat().st_size > 1000
+
+
+def test_a_round_fits_when_every_request_was_live_at_once_and_none_was_retracted():
+    from sglang_tokendance.bench.multiagent import RequestRecord
+    from sglang_tokendance.bench_multiagent import fit_probe
+
+    def request(round_index, ttft, latency):
+        return RequestRecord(0, round_index, 0, ttft, latency, 100, 0, 8, 0, "")
+
+    result = RunResult("radix", 2, float("inf"))
+    result.rounds = [RoundRecord(0, k, 2, start=0.0, latency=3.0, prefill=1.0, decode=2.0, peak_kv_tokens=400)
+                     for k in (0, 1)]
+    queued_first_round = [request(0, 0.5, 1.0), request(0, 1.5, 3.0)]  # the second began after the first ended
+    result.requests = [*queued_first_round, request(1, 0.5, 2.0), request(1, 0.9, 3.0)]
+    probe = fit_probe(result, {0: 1})
+    assert probe["fits"] and probe["peak_kv_tokens_per_agent"] == 200  # only rounds past the first count
+    assert not fit_probe(result, {1: 1})["fits"]  # a retraction while round 1 ran
+    result.requests[3] = request(1, 2.5, 3.0)  # round 1's second request queued behind the first
+    assert not fit_probe(result, {})["all_live"]
+    result.rounds, result.requests = result.rounds[:1], queued_first_round  # a one-round run: its round counts
+    assert not fit_probe(result, {})["fits"]
+
+
+def test_the_agent_search_stops_at_the_first_count_that_does_not_hold():
+    from sglang_tokendance.bench_multiagent import most_agents, parse_args
+
+    tried = []
+
+    def holds(n):
+        tried.append(n)
+        return n in (3, 4, 6)
+
+    assert most_agents(3, 8, holds) == 4 and tried == [3, 4, 5]
+    assert most_agents(2, 8, holds) == 1  # not even the first
+    with pytest.raises(SystemExit):
+        parse_args(["--capacity", "fit", "--num-sessions", "2"])
+    with pytest.raises(SystemExit):
+        parse_args(["--capacity", "--min-agents", "0"])
+    assert parse_args(["--capacity"]).capacity == "slo"
+
+
 def meta_of(records):
     return next(r for r in records if r["type"] == "meta")
 

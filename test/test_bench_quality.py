@@ -43,6 +43,8 @@ def test_metrics_helpers():
     assert float(entropy_rows(torch.zeros(2, 8))[1]) == pytest.approx(math.log(8))  # uniform: log V nats
     assert float(entropy_rows(torch.tensor([50.0, 0, 0]))) == pytest.approx(0, abs=1e-6)
     assert float(top_margin(logits)) == pytest.approx(2.0)  # log-probability gap of the top two
+    planned = Setting.parse("attention-kv r=0.3 c=5 s=1 planned")
+    assert planned.planned and Setting.parse(planned.label) == planned and not Setting.parse("plain").planned
     budgeted = Setting.parse("attention-kv r=0.3 c=5 s=1 m=100")
     assert budgeted.budget == 100 and Setting.parse(budgeted.label) == budgeted
     assert Setting.parse("attention-kv r=0.3 c=5").budget is None
@@ -126,9 +128,19 @@ def test_chunked_prefill_plans_each_chunk_as_the_server_does(runner):
                                                    room, 16)
     torch.testing.assert_close(chunked, full, atol=1e-4, rtol=1e-4)  # ratio 1 in chunks: a full prefill
     assert chunked_stats.reused_tokens == chunked_stats.kept_tokens == stats.reused_tokens
+    planned = Setting("attention-kv", 0.5, 2, 1, planned=True)  # the whole prompt's selection, made first
+    plan = runner.planned_selection(prompt, store, planned, CONFIG.options, room)
+    assert plan.kept.numel() == stats.reused_tokens and int(plan.kept.sum()) == stats.kept_tokens
+    _, _, in_chunks = runner.run_chunked(prompt, store, planned, CONFIG.options, room, 16)
+    assert in_chunks.kept_tokens == stats.kept_tokens and in_chunks.token_layers > plan.token_layers > 0
+    unscreened = Setting("attention-kv", 0.5, 2)
+    whole_logits, _, _, _ = runner.run_setting(prompt, store, unscreened, CONFIG.options, room)
+    one, _, _ = runner.run_chunked(prompt, store, replace(unscreened, planned=True), CONFIG.options, room, n)
+    torch.testing.assert_close(one, whole_logits)  # one chunk recomputing the plan: the whole prompt's forward
     samples = measure_chunked(runner, replace(CONFIG, num_agents=(2,), prompts_per_n=1, ratios=(0.5,)), (16,))
-    assert {(s.setting, s.chunk) for s in samples} == {(label, chunk) for label in (PLAIN, "attention-kv r=0.5 c=2 s=1")
-                                                       for chunk in (0, 16)}
+    assert {(s.setting, s.chunk) for s in samples} == {
+        *((label, chunk) for label in (PLAIN, "attention-kv r=0.5 c=2 s=1") for chunk in (0, 16)),
+        ("attention-kv r=0.5 c=2 s=1 planned", 16)}
     rows = summarize(samples)
     assert {(r["setting"], r["chunk"]) for r in rows} == {(s.setting, s.chunk) for s in samples}
 
@@ -337,7 +349,8 @@ def test_cli_writes_results(tmp_path, tiny_path):
                         str(chunked)])
     rows = [json.loads(line) for line in chunked.read_text().splitlines()]
     assert {(r["setting"], r["chunk"]) for r in rows if r["kind"] == "chunked_summary"} == {
-        (label, chunk) for label in ("plain", "attention-kv r=0.5 c=2 s=1") for chunk in (0, 32)}
+        *((label, chunk) for label in ("plain", "attention-kv r=0.5 c=2 s=1") for chunk in (0, 32)),
+        ("attention-kv r=0.5 c=2 s=1 planned", 32)}
     assert "kl_vs_whole" in chunked.with_suffix(".md").read_text() and chunked.with_suffix(".png").stat().st_size
     for bad in (["--groups", "--master-choice"], ["--chunked", "64", "--groups"], ["--chunked", "0"]):
         with pytest.raises(SystemExit):

@@ -686,3 +686,32 @@ def test_recomputed_kv_within_the_diff_threshold_of_its_master_is_not_kept():
     assert (counts.recomputed_tokens, counts.within_threshold_tokens, counts.mirror_diff_tokens) == (2, 1, 1)
     release(forest, reader, 20)
     assert forest.stats()["row_references"] == 0 and forest.stats()["pinned_segments"] == 0
+
+
+def test_slots_freed_after_a_mirror_forward_reopen_sglangs_admission_once():
+    """SGLang stops admitting after a request did not fit until one leaves its running batch;
+    a zero-copy row's forward frees slots without one leaving, so the next admission pass is
+    let through (once: a pass with nothing freed since leaves SGLang's verdict alone)."""
+    from sglang_tokendance.server_args import TokenDanceArgs
+    from sglang_tokendance.srt.runtime import SchedulerRuntime
+
+    runtime = SchedulerRuntime(TokenDanceArgs(storage="mirror"))
+    forest = runtime.forest = mirror_forest()
+    allocator = forest.token_to_kv_pool_allocator
+    author = allocator.alloc(12)
+    forest.storage.cache(((None, None), "a"), list(range(100, 112)), author.to(torch.int32), 0, 12)
+    req = reading_req(forest, 1, [SegmentSpan(0, 12, "a")], 16)
+    forest.restore_segments(SimpleNamespace(reqs=[req]), lambda: None)
+    running = SimpleNamespace(batch_is_full=True)
+    runtime.reopen_admission(None, running)
+    assert running.batch_is_full  # nothing freed yet: the row holds its own slots until its forward ran
+    kept = torch.zeros(12, dtype=torch.bool)
+    kept[:3] = True
+    forest.settle([forest.planned.pop(1)], kept, None)
+    runtime.reopen_admission(None, running)
+    assert not running.batch_is_full  # nine own slots came free
+    running.batch_is_full = True  # SGLang's pass found the pool still short
+    runtime.reopen_admission(None, running)
+    assert running.batch_is_full
+    release(forest, req, 16)
+    allocator.free(author)

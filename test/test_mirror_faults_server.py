@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -182,6 +183,38 @@ def test_many_mirrors_hold_more_kv_positions_than_the_pool_and_all_finish(server
     assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in outs)
     assert sum(o["meta_info"]["tokendance"]["segment_hits"] for o in outs) > 12
     assert peak[0] > POOL, f"at most {peak[0]} KV positions live at once"
+
+
+def test_readers_are_admitted_as_the_forwards_before_them_free_their_slots(server):
+    """SGLang admits a prompt only where all its positions fit (its forward allocates them all),
+    and once one does not fit it admits nothing until a request leaves its running batch. A
+    reader's forward gives back the slots of its reused positions but for its kept tokens, so
+    the readers that did not fit are admitted right after: all six of a wave decode at once,
+    though their prompts need more slots than the pool has free or evictable."""
+    assert requests.post(server + "/flush_cache", timeout=60).status_code == 200
+    post(server, SEP.join(["You are author 0.", *BLOCKS[:3], " Go:"]), 1)
+    anchor = Reader(server, 0, blocks=3)  # pins blocks 0-2 (their Masters no longer count as evictable)
+    try:
+        before, start = forest_stats(server), time.perf_counter()
+
+        def first_and_last_token(agent: int) -> tuple[float, float, int]:
+            body = {"text": agent_prompt(agent, 3),
+                    "sampling_params": {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}}
+            response, chunks = stream(server, body)
+            with response:
+                next(chunks)
+                first = time.perf_counter() - start
+                meta = [chunk["meta_info"] for chunk in chunks][-1]
+            assert meta["tokendance"]["segment_hits"] == 3 and meta["tokendance"]["mirror_compression"] > 1
+            return first, time.perf_counter() - start, meta["prompt_tokens"]
+
+        with ThreadPoolExecutor(6) as pool:  # agents 8, 16, ...: blocks 0-2, as the anchor
+            times = list(pool.map(first_and_last_token, range(8, 56, 8)))
+        assert max(first for first, _, _ in times) < min(last for _, last, _ in times), times
+        # SGLang could not admit the six at once: their prompts exceed the free and evictable slots
+        assert sum(tokens for _, _, tokens in times) > before["free_tokens"] + before["tree_evictable_tokens"]
+    finally:
+        anchor.close()
 
 
 def test_flush_waits_for_live_mirrors_then_frees_every_slot(server):

@@ -7,7 +7,10 @@ system of --modes itself, one after the other on the same machine, and compares 
   tokendance  our server (prompts with separators)
 With --base-url or --port it drives one running server; --backend says which kind it is.
 --capacity finds, per mode and session rate, the most agents whose mean round latency stays
-under an SLO at a fixed KV budget (--max-total-tokens).
+under an SLO at a fixed KV budget (--max-total-tokens). --capacity fit finds instead the most
+agents whose rounds past the first fit the budget: every request live at once (each had its
+first token before any of them ended, so none queued for another's KV) and none retracted
+(SGLang's metrics), whatever the latency -- what binds where decode is cheap (a GPU).
 --prefill-only times just the rounds' prefill (one token asked; the next round's messages are
 stand-ins registered by untimed author prefills, bench/multiagent.py) at every N of
 --num-agents (e.g. 4,8,16), with every mode's server up at once and the modes interleaved, and
@@ -31,13 +34,15 @@ import statistics
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Callable
 
 import requests
 from tqdm import tqdm
 
 from sglang_tokendance.bench import report
 from sglang_tokendance.bench.machine import idle_check
-from sglang_tokendance.bench.multiagent import MODES, Mode, RequestRecord, RunResult, run_load
+from sglang_tokendance.bench.multiagent import (MODES, Mode, RequestRecord, RetractionWatch, RunResult,
+                                                all_live_at_once, mirror_compression, run_load)
 from sglang_tokendance.core.blend import BlendOptions
 from sglang_tokendance.core.cost import PrefillCost
 from sglang_tokendance.bench.workloads import PRESETS, WorkloadConfig
@@ -84,8 +89,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-file", type=Path, default=DEFAULT_OUTPUT,
                    help="JSONL; the Markdown summary and PNG plots are written beside it")
     p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--capacity", action="store_true", help="run the capacity search instead")
+    p.add_argument("--capacity", nargs="?", const="slo", choices=["slo", "fit"], default=None,
+                   help="run a capacity search instead: the most agents under the round-latency SLO (slo, "
+                        "the default) or whose rounds fit the KV budget without queueing or retraction (fit)")
     p.add_argument("--capacity-rates", default="0.05,0.2", help="session rates for --capacity")
+    p.add_argument("--min-agents", type=int, default=1,
+                   help="--capacity: where each search starts (a mode that does not reach it reports one less)")
     p.add_argument("--max-agents", type=int, default=12)
     p.add_argument("--capacity-repeats", type=int, default=1,
                    help="--capacity: searches per mode, the modes' order reversed every other time; "
@@ -113,6 +122,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          or args.base_url or args.port):
         p.error("--workers needs at least 2 workers, one mode, and starts its own servers (without --capacity "
                 "or --quality)")
+    if args.capacity == "fit" and args.num_sessions != 1:
+        p.error("--capacity fit runs one simulation at a time (--num-sessions 1)")
+    if not 1 <= args.min_agents <= args.max_agents:
+        p.error(f"--min-agents must be within 1..--max-agents, got {args.min_agents}")
     if args.capacity_repeats < 1:
         p.error(f"--capacity-repeats must be at least 1, got {args.capacity_repeats}")
     return args
@@ -133,6 +146,8 @@ def server_argv(args, mode: Mode) -> list[str]:
         argv += ["--model-path", args.model_path]
     if args.max_total_tokens:
         argv += ["--max-total-tokens", str(args.max_total_tokens)]
+    if args.capacity == "fit":
+        argv.append("--enable-metrics")  # SGLang's retraction counter
     return argv + args.server_args.split()
 
 
@@ -171,9 +186,9 @@ class _Running:
 
 
 def run(mode: Mode, url: str, config: WorkloadConfig, sessions: int, rate: float, label: str,
-        prefill_only: bool = False) -> RunResult:
+        prefill_only: bool = False, watch=None) -> RunResult:
     with tqdm(total=sessions * config.num_rounds, desc=label, unit="round") as progress:
-        return asyncio.run(run_load(url, mode, config, sessions, rate, progress, prefill_only))
+        return asyncio.run(run_load(url, mode, config, sessions, rate, progress, prefill_only, watch))
 
 
 def warm_up(mode: Mode, url: str, config: WorkloadConfig, prefill_only: bool = False) -> None:
@@ -289,18 +304,18 @@ def capacity(args, systems: Systems, config: WorkloadConfig) -> tuple[list[dict]
                     slo = SLO_FACTOR * alone.summary()["mean_round_latency_s"]
                     records.append({"type": "slo", "mode": mode.name, "slo_s": slo, "factor": SLO_FACTOR})
                 for rate in rates:
-                    best, curve = 0, []
-                    for n in range(1, args.max_agents + 1):
+                    curve = []
+
+                    def holds(n: int) -> bool:
                         flush_cache(server.url)  # each probe as on a fresh server: no earlier probe's KV
                         result = run(mode, server.url, replace(config, num_agents=n), args.num_sessions, rate,
                                      f"{mode.name} #{repeat} rate={rate} agents={n}")
                         summary = result.summary()
                         records.append({"type": "capacity_probe", "repeat": repeat, "slo_s": slo, **summary})
                         curve.append((n, summary["mean_round_latency_s"]))
-                        if summary["mean_round_latency_s"] > slo:
-                            break
-                        best = n
-                    found.setdefault((mode.name, rate), []).append(best)
+                        return summary["mean_round_latency_s"] <= slo
+
+                    found.setdefault((mode.name, rate), []).append(most_agents(args.min_agents, args.max_agents, holds))
                     if rate == rates[0]:
                         label = mode.name if args.capacity_repeats == 1 else f"{mode.name} #{repeat}"
                         latency_series[label] = ([n for n, _ in curve], [lat for _, lat in curve])
@@ -317,6 +332,96 @@ def capacity(args, systems: Systems, config: WorkloadConfig) -> tuple[list[dict]
                            for mode in systems.modes()})
     columns = ["mode", "rate", "max_agents", "per_repeat", "slo_s"]
     return records, [("Capacity", report.markdown_table(table, columns))]
+
+
+def most_agents(min_agents: int, max_agents: int, holds: Callable[[int], bool]) -> int:
+    """The largest n in min_agents..max_agents below the first at which `holds(n)` fails
+    (min_agents - 1: not even the first)."""
+    best = min_agents - 1
+    for n in range(min_agents, max_agents + 1):
+        if not holds(n):
+            break
+        best = n
+    return best
+
+
+def fit_probe(result: RunResult, retracted: dict[int, int]) -> dict:
+    """Whether one simulation's rounds past the first (its only round when it has one) fit the
+    KV budget: every request of the round live at once and none retracted while it ran; with
+    the round's peak KV in use per agent and the per-Mirror compression over those rounds."""
+    steady = {r.round for r in result.rounds if r.round > 0} or {0}
+    requests_of = {k: [q for q in result.requests if q.round == k] for k in steady}
+    rounds = [r for r in result.rounds if r.round in steady]
+    steady_requests = [q for k in steady for q in requests_of[k]]
+    live = all(all_live_at_once(requests_of[k]) for k in steady)
+    retractions = sum(retracted.get(k, 0) for k in steady)
+    return {"mode": result.mode, "num_agents": result.num_agents, "all_live": live, "retracted": retractions,
+            "errors": len(result.errors), "fits": live and not retractions and not result.errors,
+            "peak_kv_used_tokens": max(r.peak_kv_tokens for r in rounds),
+            "peak_kv_tokens_per_agent": statistics.mean(r.peak_kv_tokens / r.num_agents for r in rounds),
+            "mirror_compression": mirror_compression(steady_requests),
+            "mean_round_latency_s": statistics.mean(r.latency for r in rounds),
+            # the round's shape, for projections (bench_projection)
+            "prompt_tokens_per_agent": statistics.mean(q.prompt_tokens for q in steady_requests),
+            "reused_positions_per_agent": statistics.mean(q.reused_tokens + q.recomputed_tokens
+                                                          for q in steady_requests),
+            "completion_tokens_per_agent": statistics.mean(q.completion_tokens for q in steady_requests)}
+
+
+def capacity_fit(args, systems: Systems, config: WorkloadConfig) -> tuple[list[dict], list[tuple[str, str]]]:
+    """Most agents per mode whose rounds fit the KV budget (fit_probe; the median over
+    --capacity-repeats searches, the modes' order reversed every other time), with each
+    mode's per-agent KV at the round's peak at the most agents it fitted."""
+    from sglang_tokendance.bench.server_process import flush_cache
+
+    records, found, curves = [], {}, {}
+    for repeat, modes in enumerate(mode_orders(systems.modes(), args.capacity_repeats)):
+        for mode in modes:
+            with systems.serve(mode) as server:
+                warm_up(mode, server.url, config)
+                records.append({"type": "idle", "repeat": repeat, "mode": mode.name, **idle_check()})
+                probes = []
+
+                def holds(n: int) -> bool:
+                    flush_cache(server.url)  # each probe as on a fresh server: no earlier probe's KV
+                    watch = RetractionWatch(server.url)
+                    result = run(mode, server.url, replace(config, num_agents=n), 1, float("inf"),
+                                 f"{mode.name} #{repeat} agents={n}", watch=watch)
+                    probes.append(fit_probe(result, watch.by_round))
+                    return probes[-1]["fits"]
+
+                best = most_agents(args.min_agents, args.max_agents, holds)
+                records += [{"type": "fit_probe", "repeat": repeat, **p} for p in probes]
+                found.setdefault(mode.name, []).append((best, [p for p in probes if p["num_agents"] == best]))
+                curves.setdefault(mode.name, probes)
+    budget = args.max_total_tokens
+    table = []
+    for name, searches in found.items():
+        at_best = [p for _, fitted in searches for p in fitted]
+        table.append({"mode": name, "max_agents": statistics.median(best for best, _ in searches),
+                      "per_repeat": ", ".join(str(best) for best, _ in searches), "budget_tokens": budget,
+                      **{key: statistics.mean(p[key] for p in at_best) if at_best else float("nan")
+                         for key in ("peak_kv_tokens_per_agent", "mirror_compression", "mean_round_latency_s")}})
+    baseline = next((row for row in table if row["mode"] == "radix"), table[0])
+    for row in table:
+        row["agents_vs_" + baseline["mode"]] = row["max_agents"] / baseline["max_agents"] if baseline["max_agents"] \
+            else float("nan")
+    records += [{"type": "capacity_fit", **row} for row in table]
+    if not args.no_plot:
+        report.plot_panels(Path(f"{args.output_file.with_suffix('')}_capacity_fit.png"),
+                           f"Rounds past the first at {budget} KV tokens (first search)", [
+            report.Panel("Peak KV in use", "agents", "tokens",
+                         {m: ([p["num_agents"] for p in c], [p["peak_kv_used_tokens"] for p in c])
+                          for m, c in curves.items()}, hline=budget, hline_label="budget"),
+            report.Panel("Peak KV in use per agent", "agents", "tokens",
+                         {m: ([p["num_agents"] for p in c], [p["peak_kv_tokens_per_agent"] for p in c])
+                          for m, c in curves.items()})])
+    columns = ["mode", "max_agents", "per_repeat", "agents_vs_" + baseline["mode"], "budget_tokens",
+               "peak_kv_tokens_per_agent", "mirror_compression", "mean_round_latency_s"]
+    idles = [r for r in records if r["type"] == "idle"]
+    return records, [("Most agents whose rounds fit the KV budget", report.markdown_table(table, columns)),
+                     ("Machine idle before each search", report.markdown_table(
+                         idles, ["repeat", "mode", "cpu_busy_fraction", "idle"]))]
 
 
 PROMPT_BLOCK_WORDS = 480  # --prefill-only: N blocks of 480/N words, prompts of ~800 tokens at any N
@@ -498,7 +603,8 @@ def main(argv: list[str] | None = None) -> None:
     systems = Systems(args)
     command = report.command_line("sglang_tokendance.bench_multiagent", argv)
     records, sections = (scale_out if args.workers else prefill_sweep if args.prefill_only
-                         else capacity if args.capacity else compare)(args, systems, config)
+                         else capacity_fit if args.capacity == "fit" else capacity if args.capacity
+                         else compare)(args, systems, config)
     meta = {"type": "meta", "command": command, "workload": asdict(config), "num_sessions": args.num_sessions,
             "request_rate": args.request_rate, "max_total_tokens": args.max_total_tokens}
     report.write_jsonl(args.output_file, [meta, *records])

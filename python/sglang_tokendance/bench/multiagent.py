@@ -26,6 +26,7 @@ from typing import Any, Callable, ContextManager
 
 import aiohttp
 import numpy
+import requests as requests_lib
 
 from sglang_tokendance.bench.workloads import (Simulation, WorkloadConfig, join_pieces, make_simulation,
                                                message_block, stand_in_messages)
@@ -87,6 +88,9 @@ MODES: dict[str, Mode] = {
                                       server_args=("--no-tokendance-round-leader",)),
     "tokendance-mirror": Mode("tokendance-mirror", stock=False, marked=True,  # zero-copy Master-Mirror storage
                               server_args=("--tokendance-storage", "mirror")),
+    # Master-Mirror storage where a kept token within 0.4 (relative L2, every layer) of its Master reads the Master
+    "tokendance-threshold": Mode("tokendance-threshold", stock=False, marked=True,
+                                 server_args=("--tokendance-storage", "mirror", "--tokendance-diff-threshold", "0.4")),
     # Master-Mirror storage with each agent's finished row kept for its next prompt (--conversation)
     "tokendance-kept": Mode("tokendance-kept", stock=False, marked=True, agents=True,
                             server_args=("--tokendance-storage", "mirror")),
@@ -195,6 +199,36 @@ class RunResult:
         for r in self.rounds:
             begin, end = r.start - self.t0, r.start - self.t0 + r.latency
             r.peak_kv_tokens = max((u for t, u in self.kv_usage if begin <= t <= end), default=0)
+
+
+def all_live_at_once(requests: list[RequestRecord]) -> bool:
+    """Whether every request of a round had its first token before any of them ended: all held
+    their KV at once, none waited in SGLang's queue for another's KV to be freed."""
+    return bool(requests) and max(q.ttft for q in requests) < min(q.latency for q in requests)
+
+
+def retracted_requests(url: str) -> int:
+    """Requests the server has retracted so far (SGLang's `num_retracted_requests_total`
+    counter, which needs `--enable-metrics`; absent until the first retraction)."""
+    text = requests_lib.get(url + "/metrics", timeout=60).text
+    if "sglang:" not in text:
+        raise RuntimeError(f"{url}/metrics has no SGLang metrics: start the server with --enable-metrics")
+    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("sglang:num_retracted_requests_total")))
+
+
+class RetractionWatch:
+    """`watch` for `run_load`: the requests the server retracted while each round ran."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.by_round: dict[int, int] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, round_index: int):
+        before = retracted_requests(self.url)
+        yield
+        self.by_round[round_index] = self.by_round.get(round_index, 0) + retracted_requests(self.url) - before
 
 
 def mirror_compression(requests: list[RequestRecord]) -> float:
@@ -333,8 +367,10 @@ async def poll_kv_usage(http, url: str, t0: float, samples: list, interval: floa
 
 
 async def run_load(url: str, mode: Mode, config: WorkloadConfig, num_sessions: int,
-                   request_rate: float, progress, prefill_only: bool = False) -> RunResult:
-    """`num_sessions` simulations (seeds seed, seed+1, ...) arriving at `request_rate`/s."""
+                   request_rate: float, progress, prefill_only: bool = False,
+                   watch: Callable[[int], ContextManager] | None = None) -> RunResult:
+    """`num_sessions` simulations (seeds seed, seed+1, ...) arriving at `request_rate`/s; `watch`
+    wraps every timed round (run_session)."""
     result = RunResult(mode.name, config.num_agents, request_rate)
     arrivals = random.Random(config.seed)
     async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http:
@@ -343,7 +379,8 @@ async def run_load(url: str, mode: Mode, config: WorkloadConfig, num_sessions: i
         tasks = []
         for s in range(num_sessions):
             sim = make_simulation(WorkloadConfig(**{**asdict(config), "seed": config.seed + s}))
-            tasks.append(asyncio.create_task(run_session(http, url, mode, sim, s, result, progress, prefill_only)))
+            tasks.append(asyncio.create_task(run_session(http, url, mode, sim, s, result, progress, prefill_only,
+                                                               watch)))
             if request_rate != float("inf") and s + 1 < num_sessions:
                 await asyncio.sleep(arrivals.expovariate(request_rate))
         try:

@@ -64,11 +64,14 @@ class Setting:
     budget: int | None = None  # fidelity budget: most reused tokens left approximate (None: no bound)
     storage: str = "dense"  # the server's --tokendance-storage (the in-process blend is the same either way)
     diff_threshold: float = 0.0  # the server's --tokendance-diff-threshold (mirror storage)
+    # chunked prefill: the whole prompt's selection planned before the first chunk, each chunk recomputing
+    # its part of it (in-process only: the server selects per chunk)
+    planned: bool = False
 
     @property
     def label(self) -> str:
         storage = (f" st={self.storage}" if self.storage != "dense" else "") + \
-            (f" e={self.diff_threshold:g}" if self.diff_threshold else "")
+            (f" e={self.diff_threshold:g}" if self.diff_threshold else "") + (" planned" if self.planned else "")
         if self.rule in (PLAIN, FULL):
             return self.rule + storage
         screen = f" s={self.screen_layer}" if self.screen_layer else ""
@@ -83,20 +86,20 @@ class Setting:
 
     @classmethod
     def parse(cls, label: str) -> "Setting":
-        """The setting a `label` names ("plain", "attention-kv r=0.3 c=5 s=1 m=100 st=mirror e=0.05"):
-        for command lines."""
+        """The setting a `label` names ("plain", "attention-kv r=0.3 c=5 s=1 m=100 st=mirror e=0.05",
+        "attention-kv r=0.3 c=5 planned"): for command lines."""
         rule, *fields = label.split()
         values = dict(f.split("=", 1) if "=" in f else (f, "") for f in fields)
         storage = values.pop("st", "dense"), float(values.pop("e", 0.0))
         if rule in (PLAIN, FULL) and not values:
             return cls(rule, storage=storage[0], diff_threshold=storage[1])
-        if rule not in RULES or not {"r", "c"} <= set(values) <= {"r", "c", "s", "g", "k", "m"}:
+        if rule not in RULES or not {"r", "c"} <= set(values) <= {"r", "c", "s", "g", "k", "m", "planned"}:
             raise ValueError(f"bad setting {label!r}: write 'plain' or 'RULE r=RATIO c=CHECK_LAYER [s=SCREEN_LAYER] "
-                             f"[g=GROUP_SELECTION] [k=PROBERS] [m=MAX_APPROXIMATE_TOKENS]', either followed by "
-                             f"[st=STORAGE] [e=DIFF_THRESHOLD], with RULE one of {', '.join(RULES)}")
+                             f"[g=GROUP_SELECTION] [k=PROBERS] [m=MAX_APPROXIMATE_TOKENS] [planned]', either followed "
+                             f"by [st=STORAGE] [e=DIFF_THRESHOLD], with RULE one of {', '.join(RULES)}")
         return cls(rule, float(values["r"]), int(values["c"]), int(values.get("s", 0)),
                    values.get("g", "per-request"), int(values.get("k", 0)),
-                   int(values["m"]) if "m" in values else None, *storage)
+                   int(values["m"]) if "m" in values else None, *storage, planned="planned" in values)
 
 
 @dataclass(frozen=True)
@@ -337,18 +340,42 @@ class QualityRunner:
         kv, ids = self.new_kv(room), prompt.input_ids
         store.place(prompt, kv)  # every chunk's restore at once: the rotated KV at a position is the same
         rule = None if setting.rule == PLAIN else rule_named(setting.rule)
-        total = BlendStats()
+        total, plan = BlendStats(), self.planned_selection(prompt, store, setting, options, room)
         for start in range(0, len(ids), chunk):
             end = min(len(ids), start + chunk)
             runs = store.chunk_runs(prompt, start, end)
             left = None if setting.budget is None else max(0, setting.budget - total.reused_tokens + total.kept_tokens)
             row = RequestRow(start, end - start, torch.arange(end), reused=runs, max_approximate=left)
+            chunk_options, chunk_rule = setting.options(options) if runs else BlendOptions(), rule
+            if plan is not None and runs:  # recompute exactly this chunk's part of the planned selection
+                part = plan.kept[total.reused_tokens:total.reused_tokens + sum(r.end - r.start for r in runs)]
+                chunk_options = replace(chunk_options, recompute_ratio=float(part.float().mean()), screen_layer=0)
+                chunk_rule = fixed_scores("planned", part.float())
             hidden, stats = blended_prefill(self.model, kv, torch.tensor(ids[start:end]), torch.arange(start, end),
-                                            [row], setting.options(options) if runs else BlendOptions(), rule)
+                                            [row], chunk_options, chunk_rule)
             total = BlendStats(total.token_layers + stats.token_layers,
                                total.full_token_layers + stats.full_token_layers,
                                total.reused_tokens + stats.reused_tokens, total.kept_tokens + stats.kept_tokens)
+        if plan is not None:  # the planning probe is work too
+            total = replace(total, token_layers=total.token_layers + plan.token_layers)
         return self.model.logits(hidden[-1]), kv, total
+
+    def planned_selection(self, prompt: SegmentedPrompt, store: SegmentStore, setting: Setting,
+                          options: BlendOptions, room: int) -> BlendStats | None:
+        """For a `planned` setting, the whole prompt's selection made before its first chunk:
+        the kept mask of the blended prefill of the whole prompt at `setting` (its `kept`, in the
+        order of the prompt's reused tokens), with the work of the probe that chose it
+        (token_layers: every token through the probe layers, or the screen's share of the reused
+        ones past the screen layer). None: the chunks select each for itself."""
+        if not setting.planned or setting.rule == PLAIN:
+            return None
+        kv, ids = self.new_kv(room), prompt.input_ids
+        row = RequestRow(0, len(ids), torch.arange(len(ids)), reused=store.place(prompt, kv))
+        blend_options = setting.options(options)
+        checked = probe(self.model, kv, torch.tensor(ids), torch.arange(len(ids)), [row], rule_named(setting.rule),
+                        blend_options)
+        kept = select(checked, rule_named(setting.rule), blend_options)
+        return BlendStats(token_layers=checked.batch.stats.token_layers, kept=kept)
 
 
 CONTENT_ENTROPY = 1.0  # nats: a decode step where the full model is this unsure is a content step
@@ -675,14 +702,17 @@ def measure_master_choice(runner: QualityRunner, config: QualityConfig) -> list[
 
 def measure_chunked(runner: QualityRunner, config: QualityConfig, chunks: Sequence[int]) -> list[Sample]:
     """Each prompt of the sweep's N prefilled whole and in chunks of each size of `chunks`, at
-    plain reuse and at default_setting's rule for every ratio of the sweep (samples' `chunk`)."""
-    settings = [Setting(PLAIN), *(replace(default_setting(config), ratio=r) for r in config.ratios)]
+    plain reuse and at default_setting's rule for every ratio of the sweep (samples' `chunk`),
+    selecting per chunk as the server does and, in chunks only, `planned` (the whole prompt's
+    selection made before the first chunk)."""
+    blended = [replace(default_setting(config), ratio=r) for r in config.ratios]
+    settings = [Setting(PLAIN), *blended, *(replace(s, planned=True) for s in blended)]
     samples = []
     for n, i, prompt, store in agent_prompts(runner, config, "chunked"):
         ids, room = prompt.input_ids, room_for(prompt, config)
         ref = reference_of(runner, ids, config, room)
         for setting in settings:
-            for chunk in (0, *chunks):
+            for chunk in (*([] if setting.planned else [0]), *chunks):
                 logits, kv, stats = runner.run_chunked(prompt, store, setting, config.options, room, chunk or len(ids))
                 samples.append(replace(sample_of(runner, ref, prompt, config, setting, logits, kv, stats, n, i),
                                        chunk=chunk))

@@ -29,6 +29,8 @@ def register() -> None:
 
         HookRegistry.register("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator."
                               "_build_token_to_kv_pool_allocator", pool.install_allocator, HookType.AFTER)
+        HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill",
+                              runtime.reopen_admission, HookType.BEFORE)
     _register_attention()
     if runtime.policy is not None:  # stock SGLang's scheduling under --disable-tokendance
         runtime.policy.register_hooks()

@@ -42,6 +42,17 @@ class SchedulerRuntime:
         """Whether SGLang is admitting `req` as its round's leader (srt/policy)."""
         return self.policy is not None and self.policy.leads(req)
 
+    def reopen_admission(self, scheduler, running_batch, *args, **kwargs) -> None:
+        """BEFORE hook on `Scheduler.get_new_batch_prefill` (mirror storage). Once a waiting
+        request does not fit, SGLang stops admitting (`running_batch.batch_is_full`) until a
+        request leaves the running batch: in stock SGLang nothing else frees KV. Under mirror
+        storage a prefill does: after its forward, the own slots SGLang allocated at the reused
+        positions go back to the pool but for the kept tokens (srt/storage.settle_row). When that
+        happened since the last pass, admission is tried again, as after a request left; a
+        request that still does not fit closes it again."""
+        if self.forest is not None and self.forest.storage.freed_after_forwards():
+            running_batch.batch_is_full = False
+
     def model_forward(self, original, model, input_ids, positions, forward_batch, *args, **kwargs):
         """AROUND hook on the decoder forwards (srt/model.FORWARD_HOOK_TARGETS)."""
         return forward_hook.model_forward(self.forest, original, model, input_ids, positions, forward_batch,

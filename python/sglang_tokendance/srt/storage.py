@@ -49,6 +49,7 @@ class MasterStorage:
         self.evict = evict  # the forest's eviction: free at least this many slots if it can
         self.segments = SegmentTable()
         self.retired: list[SegmentEntry] = []  # superseded Masters that live rows still read
+        self._settled_free = 0  # own slots settle_row freed since SGLang's last admission pass
 
     @property
     def pool(self):
@@ -172,15 +173,23 @@ class MasterStorage:
             kept[held] = ~self._within_threshold(own[held], masters[held], positions[held])
         if kept is None or not bool(kept.any()):
             self.allocator.free(own)
+            self._settled_free += own.numel()
             return None
         row[positions[kept]] = own[kept].to(row.dtype)
         self.allocator.unread(masters[kept])  # the row's references
         plan.request.read_slots[plan.prefix_len] = masters[~kept]
         self.allocator.free(own[~kept])
+        self._settled_free += int((~kept).sum())
         for run, part in zip(plan.runs, kept.split([len(run) for run in plan.runs])):
             if bool(part.all()):
                 self._stop_reading(plan.request, run.master)
         return kept
+
+    def freed_after_forwards(self) -> int:
+        """Own slots `settle_row` freed since the last call: KV that came free while no request
+        left SGLang's running batch (SGLang's admission waits for one to leave, srt/runtime)."""
+        freed, self._settled_free = self._settled_free, 0
+        return freed
 
     def _within_threshold(self, own: torch.Tensor, masters: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Of recomputed tokens (their own slots, the Master slots they read, their row
