@@ -110,13 +110,13 @@ def measured(path: Path) -> tuple[RoundShape, dict[str, dict]]:
     if not probes:
         raise ValueError(f"{path}: no reusing mode fitted a round, so the round's shape is unknown")
 
-    def mean(key: str) -> float:
-        return sum(p[key] for p in probes) / len(probes)
+    def mean(value) -> float:
+        return sum(value(p) for p in probes) / len(probes)
 
-    reused = mean("reused_positions_per_agent")
-    n = sum(p["num_agents"] for p in probes) / len(probes)
-    shape = RoundShape(private=mean("prompt_tokens_per_agent") - reused, block=reused / n,
-                       new=mean("completion_tokens_per_agent"))
+    reused = mean(lambda p: p["reused_positions_per_agent"])
+    shape = RoundShape(private=mean(lambda p: p["prompt_tokens_per_agent"]) - reused,
+                       block=mean(lambda p: p["reused_positions_per_agent"] / p["num_agents"]),
+                       new=mean(lambda p: p["completion_tokens_per_agent"]))
     return shape, rows
 
 
