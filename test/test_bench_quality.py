@@ -16,7 +16,9 @@ from sglang_tokendance.bench.quality import (MASTER_CHOICES, ORACLE, PLAIN, Grou
 from sglang_tokendance.bench.quality_server import Workload
 from sglang_tokendance.bench.workloads import make_simulation, preset_config
 from sglang_tokendance.bench.tiny_models import write_tiny_model
+from sglang_tokendance.server_args import TokenDanceArgs
 
+RULE = TokenDanceArgs().selection  # the default rule the sweep runs screened and in simulations
 CONFIG = QualityConfig(num_agents=(2,), rules=("cacheblend-k", "attention-kv"), ratios=(0.5, 1.0),
                        check_layers=(1, 2), continuation_tokens=6, simulation_agents=2, simulation_rounds=2,
                        history_words=20, block_words=25, decode_steps=5)
@@ -84,7 +86,7 @@ def test_every_setting_against_the_full_prefill(runner):
     samples = evaluate_prompt(runner, prompt, store, CONFIG, 2, 0)
     # plain + (2 rules + oracle) x 2 ratios x 2 check layers + the default rule screened at layer 1
     assert len(samples) == 1 + 3 * 2 * 2 + 2
-    assert {s.setting for s in samples if s.screen_layer} == {"attention-kv r=0.5 c=2 s=1", "attention-kv r=1 c=2 s=1"}
+    assert {s.setting for s in samples if s.screen_layer} == {f"{RULE} r=0.5 c=2 s=1", f"{RULE} r=1 c=2 s=1"}
     by = {s.setting: s for s in samples}
     assert by[PLAIN].reused_tokens == sum(s.end - s.start for s in prompt.spans) > 0
     assert by[PLAIN].first_kl > 1e-6  # the blocks' KV came from their authors' contexts
@@ -136,11 +138,11 @@ def test_chunked_prefill_plans_each_chunk_as_the_server_does(runner):
     unscreened = Setting("attention-kv", 0.5, 2)
     whole_logits, _, _, _ = runner.run_setting(prompt, store, unscreened, CONFIG.options, room)
     one, _, _ = runner.run_chunked(prompt, store, replace(unscreened, planned=True), CONFIG.options, room, n)
-    torch.testing.assert_close(one, whole_logits)  # one chunk recomputing the plan: the whole prompt's forward
+    torch.testing.assert_close(one, whole_logits)  # one chunk plans nothing: the whole prompt's forward
     samples = measure_chunked(runner, replace(CONFIG, num_agents=(2,), prompts_per_n=1, ratios=(0.5,)), (16,))
     assert {(s.setting, s.chunk) for s in samples} == {
-        *((label, chunk) for label in (PLAIN, "attention-kv r=0.5 c=2 s=1") for chunk in (0, 16)),
-        ("attention-kv r=0.5 c=2 s=1 planned", 16)}
+        *((label, chunk) for label in (PLAIN, f"{RULE} r=0.5 c=2 s=1") for chunk in (0, 16)),
+        (f"{RULE} r=0.5 c=2 s=1 planned", 16)}
     rows = summarize(samples)
     assert {(r["setting"], r["chunk"]) for r in rows} == {(s.setting, s.chunk) for s in samples}
 
@@ -155,8 +157,8 @@ def test_round_group_modes(runner):
     prompts = [runner.agent_prompt(sim, i, 0, sim.seed_messages) for i in range(3)]
     config = replace(CONFIG, ratios=(0.3, 1.0), check_layers=(2,))
     settings = group_settings(config, probes=(1,))
-    assert [s.label for s in settings[:3]] == ["attention-kv r=0.3 c=2 s=1", "attention-kv r=0.3 c=2 s=1 g=aligned",
-                                               "attention-kv r=0.3 c=2 s=1 g=aligned k=1"]
+    assert [s.label for s in settings[:3]] == [f"{RULE} r=0.3 c=2 s=1", f"{RULE} r=0.3 c=2 s=1 g=aligned",
+                                               f"{RULE} r=0.3 c=2 s=1 g=aligned k=1"]
     assert Setting.parse(settings[2].label) == settings[2]
     samples = evaluate_group(runner, prompts, group_references(runner, prompts, config), store, config, settings)
     assert len(samples) == 3 * (1 + len(settings))
@@ -238,7 +240,7 @@ def test_master_choice_rounds(runner):
 def test_simulation_divergence(runner):
     results = measure_divergence(runner, CONFIG)
     assert [r.setting for r in results] == [PLAIN, "cacheblend-k r=0.3 c=1", "cacheblend-k r=0.3 c=2",
-                                            "attention-kv r=0.3 c=2", "attention-kv r=0.3 c=2 s=1"]
+                                            "attention-kv r=0.3 c=2", f"{RULE} r=0.3 c=2 s=1"]
     for r in results:
         assert r.rounds == 2 and len(r.outputs) == 2
         assert r.first_divergence in (None, 1, 2)
@@ -349,8 +351,8 @@ def test_cli_writes_results(tmp_path, tiny_path):
                         str(chunked)])
     rows = [json.loads(line) for line in chunked.read_text().splitlines()]
     assert {(r["setting"], r["chunk"]) for r in rows if r["kind"] == "chunked_summary"} == {
-        *((label, chunk) for label in ("plain", "attention-kv r=0.5 c=2 s=1") for chunk in (0, 32)),
-        ("attention-kv r=0.5 c=2 s=1 planned", 32)}
+        *((label, chunk) for label in ("plain", f"{RULE} r=0.5 c=2 s=1") for chunk in (0, 32)),
+        (f"{RULE} r=0.5 c=2 s=1 planned", 32)}
     assert "kl_vs_whole" in chunked.with_suffix(".md").read_text() and chunked.with_suffix(".png").stat().st_size
     for bad in (["--groups", "--master-choice"], ["--chunked", "64", "--groups"], ["--chunked", "0"]):
         with pytest.raises(SystemExit):

@@ -9,22 +9,18 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sglang_tokendance.bench.hf_layerwise import DenseKV, HFLayerwise, full_prefill
+from sglang_tokendance.bench.hf_layerwise import HFLayerwise, full_prefill
+from sglang_tokendance.core.dense_kv import DenseKV
 from sglang_tokendance.core.blend import BlendOptions, RequestRow, blended_prefill, finish, probe, select
 from sglang_tokendance.core.rope import RopeSpec, rotate, unrotate
 from sglang_tokendance.core.selection import RULES, ReusedSegment, fixed_scores, kept_share, rule_named, select_kept
-from sglang_tokendance.bench.tiny_models import TINY_ARCHITECTURES, tiny_config
+from sglang_tokendance.bench.tiny_models import TINY_ARCHITECTURES, tiny_layerwise
 
 SEG = (12, 30)  # the reused segment's place in the target prompt
 
 
 def tiny(arch: str) -> HFLayerwise:
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    config = tiny_config(arch)
-    config.vocab_size = 512
-    return HFLayerwise(AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval())
+    return tiny_layerwise(arch)
 
 
 @pytest.fixture(scope="module", params=TINY_ARCHITECTURES)

@@ -16,13 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from sglang_tokendance.bench.hf_layerwise import DenseKV, HFLayerwise, full_prefill
+from sglang_tokendance.bench.hf_layerwise import HFLayerwise, full_prefill
+from sglang_tokendance.core.dense_kv import DenseKV
 from sglang_tokendance.core.blend import BlendOptions, ReusedRun, RequestRow, blended_prefill
 from sglang_tokendance.core.rope import RopeSpec, rerotate
 from sglang_tokendance.core.rope_attention import ShiftedReads
 from sglang_tokendance.core.slot_frames import SlotFrames
 from sglang_tokendance.core.selection import rule_named
-from sglang_tokendance.bench.tiny_models import tiny_config
+from sglang_tokendance.bench.tiny_models import tiny_layerwise
 
 GOLDEN = Path(__file__).parent / "data" / "blend_golden.pt"
 FAMILIES = ("llama", "qwen3")  # the blend is family-agnostic; Qwen3 adds per-head q/k norms
@@ -44,12 +45,7 @@ SCENARIOS = {
 
 
 def tiny(arch: str) -> HFLayerwise:
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    config = tiny_config(arch)
-    config.vocab_size = 512
-    return HFLayerwise(AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval())
+    return tiny_layerwise(arch)
 
 
 def batch(model: HFLayerwise) -> tuple[torch.Tensor, torch.Tensor, list[RequestRow], DenseKV]:
@@ -184,6 +180,70 @@ def test_zero_copy_reads_masters_in_place_and_writes_only_kept_tokens(arch):
         fresh = torch.cat([row.slots[row.prefix_len:] for row in zero_rows])
         fresh = fresh[~torch.isin(fresh, master_slots)]
         torch.testing.assert_close(kv.k[:, fresh], copied.k[:, fresh], atol=1e-5, rtol=1e-5, msg=name)
+
+
+def runs_without(runs: list[ReusedRun], kept: torch.Tensor) -> list[ReusedRun]:
+    """`runs` with the tokens `kept` (a mask over their tokens) taken out: those become fresh."""
+    pieces, at = [], 0
+    for run in runs:
+        mask = kept[at:at + run.end - run.start]
+        at += run.end - run.start
+        start = None
+        for i, taken in enumerate(mask.tolist() + [True]):
+            if not taken and start is None:
+                start = i
+            elif taken and start is not None:
+                pieces.append(ReusedRun(run.start + start, run.start + i, run.segment_offset + start))
+                start = None
+    return pieces
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+@pytest.mark.parametrize("scenario", ["default", "unscreened-dense", "plain"])
+@torch.no_grad()
+def test_a_row_selected_before_its_forward_computes_its_kept_tokens_as_fresh_ones(arch, scenario):
+    """A row whose selection was made before the forward (RequestRow.kept: the server's planned
+    selection under chunked prefill) is neither probed nor re-selected: it computes exactly what
+    the same row computes at ratio 0 with its kept tokens as fresh tokens, whatever the batch's
+    options and whatever the other rows select; the other rows compute what they compute
+    without it; the kept mask reported is the given one. Zero copy: the kept tokens go into
+    their own slots and the outputs equal the copying run's."""
+    model = tiny(arch)
+    ids, positions, rows, pool = batch(model)
+    options, rule = SCENARIOS[scenario]
+    rule = rule and rule_named(rule)
+    reused = sum(r.end - r.start for r in rows[0].reused)
+    given = torch.arange(reused) % 3 == 1
+    selected = [dataclasses.replace(rows[0], kept=given), *rows[1:]]
+    kv = pool.clone()
+    got, stats = blended_prefill(model, kv, ids, positions, selected, options, rule)
+    assert torch.equal(stats.kept[:reused], given)
+
+    alone = pool.clone()
+    n0 = rows[0].num_tokens
+    want0, _ = blended_prefill(model, alone, ids[:n0], positions[:n0],
+                               [dataclasses.replace(rows[0], reused=runs_without(rows[0].reused, given))],
+                               BlendOptions(recompute_ratio=0.0), None)
+    torch.testing.assert_close(got[:n0], want0, atol=1e-5, rtol=1e-5)
+    row0 = rows[0].slots[rows[0].prefix_len:]
+    torch.testing.assert_close(kv.k[:, row0], alone.k[:, row0], atol=1e-5, rtol=1e-5)
+    others = pool.clone()
+    want, want_stats = blended_prefill(model, others, ids[n0:], positions[n0:], rows[1:], options, rule)
+    torch.testing.assert_close(got[n0:], want, atol=1e-5, rtol=1e-5)
+    assert want_stats.kept is None or torch.equal(stats.kept[reused:], want_stats.kept)
+
+    if not options.sparse_writeback:
+        return
+    spec = RopeSpec.from_hf_config(model.lm.config)
+    zero_rows, zero_pool, master_slots, reads = zero_copy_batch(selected, pool, spec)
+    zero_kv = zero_pool.clone()
+    zero_got, zero_stats = blended_prefill(model, zero_kv, ids, positions, zero_rows, options, rule, reads)
+    torch.testing.assert_close(zero_got, got, atol=1e-5, rtol=1e-5)
+    assert torch.equal(zero_stats.kept, stats.kept)
+    assert torch.equal(zero_kv.k[:, master_slots], zero_pool.k[:, master_slots])  # Masters untouched
+    own = zero_rows[0].own[given]
+    torch.testing.assert_close(zero_kv.k[:, own], kv.k[:, rows[0].slots[rows[0].prefix_len:][
+        torch.cat([torch.arange(r.start, r.end) for r in rows[0].reused])[given]]], atol=1e-5, rtol=1e-5)
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--write"]:

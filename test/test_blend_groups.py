@@ -11,7 +11,8 @@ import dataclasses
 import pytest
 import torch
 
-from sglang_tokendance.bench.hf_layerwise import DenseKV, HFLayerwise, full_prefill
+from sglang_tokendance.bench.hf_layerwise import HFLayerwise, full_prefill
+from sglang_tokendance.core.dense_kv import DenseKV
 from sglang_tokendance.core.blend import BlendOptions, ReusedRun, RequestRow, blended_prefill
 from sglang_tokendance.core.collective import GroupRun, share_runs
 from sglang_tokendance.core.rope import RopeSpec, rotate, unrotate

@@ -6,8 +6,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from sglang_tokendance.bench.hf_layerwise import DenseKV, HFLayerwise
-from sglang_tokendance.bench.tiny_models import tiny_config
+from sglang_tokendance.bench.hf_layerwise import HFLayerwise
+from sglang_tokendance.core.dense_kv import DenseKV
+from sglang_tokendance.bench.tiny_models import tiny_layerwise
 from sglang_tokendance.core.blend import BlendOptions, RequestRow, blended_prefill
 from sglang_tokendance.core.cost import PrefillCost, WorkRates
 from sglang_tokendance.core.selection import rule_named
@@ -22,12 +23,7 @@ OPTIONS = {
 
 @pytest.fixture(scope="module")
 def model() -> HFLayerwise:
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    config = tiny_config("llama")
-    config.vocab_size = 512
-    return HFLayerwise(AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval())
+    return tiny_layerwise("llama")
 
 
 @pytest.mark.parametrize("name", OPTIONS)
@@ -59,6 +55,19 @@ def test_blending_pays_where_the_saving_outweighs_the_mass_and_never_at_ratio_on
     assert not PrefillCost(30, options, True, WorkRates(fixed=1e6)).pays(0, 1000, 600)
     assert not cost.pays(0, 1000, 600, max_approximate=0)  # nothing may stay approximate: a full prefill
     assert cost.blended(0, 1000, 600, max_approximate=100) > cost.blended(0, 1000, 600)
+
+
+def test_planned_selection_pays_for_the_probe_layers_run_again_in_the_chunks():
+    """Planned selection (srt/prompt_selection) probes the whole rest of a prompt, then each chunk
+    runs its fresh and kept tokens through every layer: the probe layers twice for them."""
+    options = BlendOptions(recompute_ratio=0.3, check_layer=8, screen_layer=1)
+    cost = PrefillCost(30, options, attention_mass=False)
+    for tokens, reused in ((1000, 600), (1000, 100), (3000, 400)):
+        again = 9 * (tokens - reused + round(0.3 * reused))
+        assert cost.planned(0, tokens, reused) == pytest.approx(cost.blended(0, tokens, reused) + again)
+        assert cost.plan_pays(0, tokens, reused) == (cost.planned(0, tokens, reused) < cost.stock(0, tokens))
+    assert cost.plan_pays(0, 1000, 600) and not cost.plan_pays(0, 1000, 0)
+    assert cost.pays(0, 1000, 100) and not cost.plan_pays(0, 1000, 100)  # blending pays; planning it would not
 
 
 def test_torch_natives_prefix_queries_make_sglangs_later_chunks_dearer():

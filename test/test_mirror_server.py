@@ -59,7 +59,13 @@ def test_mirror_servers_use_the_tokendance_attention_backend(dense_server, mirro
 def test_rows_without_a_shift_answer_exactly_as_torch_native(dense_server, mirror_server):
     dense, mirror = plain_answers(dense_server), plain_answers(mirror_server)
     assert [cached for _, _, cached in dense][3] > 0  # a radix hit was exercised
-    assert mirror == dense  # SGLang's own attention: the same ids, prefix hits and logprobs, bit for bit
+    one_by_one = len(PLAIN)
+    assert mirror[:one_by_one] == dense[:one_by_one]  # SGLang's own attention: ids, prefix hits, logprobs bit for bit
+    # two requests sent at once may share a forward or not (the scheduler's timing), which moves
+    # CPU matmuls' rounding: the same ids and prefix hits, logprobs to float tolerance
+    for (ids, logprobs, cached), (want_ids, want_logprobs, want_cached) in zip(mirror[one_by_one:], dense[one_by_one:]):
+        assert (ids, cached) == (want_ids, want_cached)
+        assert logprobs == pytest.approx(want_logprobs, abs=1e-4)
 
 
 def test_mirror_reuse_answers_as_dense_reuse(dense_server, mirror_server):
@@ -72,8 +78,9 @@ def test_mirror_reuse_answers_as_dense_reuse(dense_server, mirror_server):
     dense, mirror = outs
     info = mirror["meta_info"]["tokendance"]
     assert info["segment_hits"] == 2 and info["reused_tokens"] > 0 and info["recomputed_tokens"] > 0
-    assert {k: info[k] for k in ("reused_tokens", "recomputed_tokens")} == \
-        {k: dense["meta_info"]["tokendance"][k] for k in ("reused_tokens", "recomputed_tokens")}
+    assert info["planned_tokens"] == info["reused_tokens"] + info["recomputed_tokens"]  # chosen once, in chunks
+    assert {k: info[k] for k in ("reused_tokens", "recomputed_tokens", "planned_tokens")} == \
+        {k: dense["meta_info"]["tokendance"][k] for k in ("reused_tokens", "recomputed_tokens", "planned_tokens")}
     assert mirror["output_ids"] == dense["output_ids"]
     assert output_logprobs(mirror) == pytest.approx(output_logprobs(dense), abs=1e-4)
     assert info["within_threshold_tokens"] == 0 and info["mirror_diff_tokens"] == info["recomputed_tokens"]
@@ -88,8 +95,10 @@ def test_a_diff_threshold_no_recomputed_token_passes_keeps_no_diff(tiny_llama):
         with_logprobs(server.url, AUTHOR, "round", 2)
         blended = with_logprobs(server.url, READER, "round")
         assert_no_leak(server.url)
-        again = with_logprobs(server.url, READER, "round")
-        assert again["output_ids"] == blended["output_ids"]
+        again = with_logprobs(server.url, READER, "round")  # the blocks recur after the same prefix: exact now
+        assert again["meta_info"]["tokendance"]["exact_recurring_tokens"] == sum(
+            s["end"] - s["start"] for s in again["meta_info"]["tokendance"]["segments"])
+        assert len(again["output_ids"]) == len(blended["output_ids"])
     info = blended["meta_info"]["tokendance"]
     assert info["segment_hits"] == 2 and info["recomputed_tokens"] > 0
     assert info["within_threshold_tokens"] == info["recomputed_tokens"] and info["mirror_diff_tokens"] == 0

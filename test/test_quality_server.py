@@ -119,6 +119,8 @@ def test_labels_flags_and_cases():
     assert (flags["--tokendance-selection"], flags["--tokendance-recompute-ratio"], flags["--tokendance-check-layer"],
             flags["--tokendance-screen-layer"]) == ("attention-kv", "0.3", "2", "1")
     assert "--tokendance-max-approximate-tokens" not in flags
+    assert "--no-tokendance-planned-selection" in argv  # a chunked prompt selects per chunk, as in-process
+    assert "--no-tokendance-planned-selection" not in server_argv(replace(DEFAULT, planned=True), CONFIG)
     budgeted = server_argv(replace(DEFAULT, budget=200), CONFIG)
     assert budgeted[-2:] == ["--tokendance-max-approximate-tokens", "200"]
     mirrored = server_argv(replace(DEFAULT, storage="mirror", diff_threshold=0.05), CONFIG)

@@ -8,12 +8,13 @@ from __future__ import annotations
 import pytest
 
 from conftest import emptied
-from sglang_tokendance.bench.quality import QualityRunner, Setting
+from sglang_tokendance.bench.quality import QualityRunner
 from sglang_tokendance.bench.quality_server import Prompts, ServerConfig, Workload, answer, compare_all
+from sglang_tokendance.bench_quality import server_default_setting
 
 pytestmark = pytest.mark.slow
 
-SETTING = Setting("attention-kv", 0.3, 5, 1)  # the server's defaults
+SETTING = server_default_setting()
 CONFIG = ServerConfig(settings=(SETTING,), workloads=(Workload(3, 30),), chunked_prefill=0, prompts_per_n=1,
                       decode_steps=6, top_k=10, history_words=40)
 

@@ -117,11 +117,12 @@ def server_default_setting() -> Setting:
 
 
 def fidelity_settings() -> tuple[Setting, ...]:
-    """Plain reuse, the server's default, the same under fidelity budgets, and CacheBlend's K+V
-    deviation at a deeper check layer (screened): the candidates for fidelity as N grows."""
+    """Plain reuse, the server's default, the same under fidelity budgets, and the default before
+    the re-tuning on decode (our attention-kv rule, checked at layer 5): the candidates for
+    fidelity as N grows."""
     default = server_default_setting()
     return (Setting(PLAIN), default, replace(default, budget=200), replace(default, budget=100),
-            Setting("cacheblend-kv", default.ratio, 8, default.screen_layer))
+            Setting("attention-kv", default.ratio, 5, default.screen_layer))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -61,12 +61,12 @@ class TokenDanceArgs:
         "1: a full prefill)."
     )
     check_layer: int = _option(
-        5, "Layer at which reused tokens are scored; layers up to it run on every token (>= 1: "
-        "layer 0 carries no signal)."
+        8, "Layer at which reused tokens are scored; layers up to it run on the tokens the screen passes "
+        "(>= 1: layer 0 carries no signal)."
     )
     selection: str = _option(
-        "attention-kv", "Rule that picks the reused tokens to recompute: "
-        + ", ".join(SELECTION_RULES) + "."
+        "cacheblend-kv", "Rule that picks the reused tokens to recompute: "
+        + ", ".join(SELECTION_RULES) + " (the default was chosen on the decode-step KL of content tokens)."
     )
     screen_layer: int = _option(
         1, "Layer at which the selection rule first screens the reused tokens: only those that pass run "
@@ -112,6 +112,12 @@ class TokenDanceArgs:
         True, "Blend a prefill chunk only where its estimated work (probe, kept and fresh tokens, attention, the "
         "restore) is below SGLang's own forward of the same chunk; elsewhere its matched blocks are computed "
         "(counted as cost_fallback_tokens in meta_info) (--no-tokendance-cost-check: blend wherever a block matches)."
+    )
+    planned_selection: bool = _option(
+        True, "Under --chunked-prefill-size, a prompt's reused tokens to recompute are chosen once, over the whole "
+        "prompt, at its first chunk that reads cached blocks (the probe runs on the later chunks' tokens too, over "
+        "scratch KV); every chunk then recomputes its part without a probe (counted as planned_tokens in meta_info) "
+        "(--no-tokendance-planned-selection: each chunk probes and selects its own share)."
     )
 
     round_window_ms: float = _option(

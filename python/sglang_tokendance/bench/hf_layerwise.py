@@ -12,6 +12,7 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from sglang_tokendance.core.blend import BlendOptions, RequestRow, blended_prefill
+from sglang_tokendance.core.dense_kv import DenseKV
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -64,30 +65,6 @@ class HFLayerwise:
     def kv_shape(self) -> tuple[int, int]:
         attn = self.decoder.layers[0].self_attn
         return self.lm.config.num_key_value_heads, attn.head_dim
-
-
-class DenseKV:
-    """KV buffers [slots, kv_heads, d] per layer, for in-process runs."""
-
-    def __init__(self, num_layers: int, slots: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32):
-        self.k = torch.zeros(num_layers, slots, kv_heads, head_dim, dtype=dtype)
-        self.v = torch.zeros_like(self.k)
-
-    def keys(self, layer: int) -> torch.Tensor:
-        return self.k[layer]
-
-    def values(self, layer: int) -> torch.Tensor:
-        return self.v[layer]
-
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layer, slots] = k
-        self.v[layer, slots] = v
-
-    def clone(self) -> "DenseKV":
-        copy = DenseKV.__new__(DenseKV)
-        copy.k, copy.v = self.k.clone(), self.v.clone()
-        return copy
 
 
 def full_prefill(model: HFLayerwise, ids: torch.Tensor) -> tuple[torch.Tensor, DenseKV]:

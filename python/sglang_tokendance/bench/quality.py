@@ -40,7 +40,8 @@ from typing import Iterable, Iterator, NamedTuple, Sequence
 import torch
 from tqdm import tqdm
 
-from sglang_tokendance.bench.hf_layerwise import DenseKV, HFLayerwise
+from sglang_tokendance.bench.hf_layerwise import HFLayerwise
+from sglang_tokendance.core.dense_kv import DenseKV
 from sglang_tokendance.bench.workloads import Simulation, make_simulation, message_block, preset_config
 from sglang_tokendance.core.blend import (BlendOptions, BlendStats, RequestRow, ReusedRun, blended_prefill, finish,
                                           probe, select)
@@ -64,8 +65,8 @@ class Setting:
     budget: int | None = None  # fidelity budget: most reused tokens left approximate (None: no bound)
     storage: str = "dense"  # the server's --tokendance-storage (the in-process blend is the same either way)
     diff_threshold: float = 0.0  # the server's --tokendance-diff-threshold (mirror storage)
-    # chunked prefill: the whole prompt's selection planned before the first chunk, each chunk recomputing
-    # its part of it (in-process only: the server selects per chunk)
+    # chunked prefill: the whole prompt's selection made at its first chunk, each chunk recomputing its part
+    # unprobed (the server's --tokendance-planned-selection); without it each chunk selects its own
     planned: bool = False
 
     @property
@@ -340,19 +341,18 @@ class QualityRunner:
         kv, ids = self.new_kv(room), prompt.input_ids
         store.place(prompt, kv)  # every chunk's restore at once: the rotated KV at a position is the same
         rule = None if setting.rule == PLAIN else rule_named(setting.rule)
-        total, plan = BlendStats(), self.planned_selection(prompt, store, setting, options, room)
+        total = BlendStats()  # a prompt of one chunk plans nothing (srt/prompt_selection.needs_selection)
+        plan = self.planned_selection(prompt, store, setting, options, room) if chunk < len(ids) else None
         for start in range(0, len(ids), chunk):
             end = min(len(ids), start + chunk)
             runs = store.chunk_runs(prompt, start, end)
             left = None if setting.budget is None else max(0, setting.budget - total.reused_tokens + total.kept_tokens)
-            row = RequestRow(start, end - start, torch.arange(end), reused=runs, max_approximate=left)
-            chunk_options, chunk_rule = setting.options(options) if runs else BlendOptions(), rule
-            if plan is not None and runs:  # recompute exactly this chunk's part of the planned selection
-                part = plan.kept[total.reused_tokens:total.reused_tokens + sum(r.end - r.start for r in runs)]
-                chunk_options = replace(chunk_options, recompute_ratio=float(part.float().mean()), screen_layer=0)
-                chunk_rule = fixed_scores("planned", part.float())
+            # under a planned selection the chunk recomputes its part of it, unprobed, as the server does
+            part = None if plan is None or not runs else \
+                plan.kept[total.reused_tokens:total.reused_tokens + sum(r.end - r.start for r in runs)]
+            row = RequestRow(start, end - start, torch.arange(end), reused=runs, max_approximate=left, kept=part)
             hidden, stats = blended_prefill(self.model, kv, torch.tensor(ids[start:end]), torch.arange(start, end),
-                                            [row], chunk_options, chunk_rule)
+                                            [row], setting.options(options) if runs else BlendOptions(), rule)
             total = BlendStats(total.token_layers + stats.token_layers,
                                total.full_token_layers + stats.full_token_layers,
                                total.reused_tokens + stats.reused_tokens, total.kept_tokens + stats.kept_tokens)
@@ -703,8 +703,8 @@ def measure_master_choice(runner: QualityRunner, config: QualityConfig) -> list[
 def measure_chunked(runner: QualityRunner, config: QualityConfig, chunks: Sequence[int]) -> list[Sample]:
     """Each prompt of the sweep's N prefilled whole and in chunks of each size of `chunks`, at
     plain reuse and at default_setting's rule for every ratio of the sweep (samples' `chunk`),
-    selecting per chunk as the server does and, in chunks only, `planned` (the whole prompt's
-    selection made before the first chunk)."""
+    selecting per chunk (--no-tokendance-planned-selection) and, in chunks only, `planned` (the
+    whole prompt's selection made at the first chunk: the server's default)."""
     blended = [replace(default_setting(config), ratio=r) for r in config.ratios]
     settings = [Setting(PLAIN), *blended, *(replace(s, planned=True) for s in blended)]
     samples = []

@@ -259,6 +259,8 @@ def server_argv(setting: Setting | None, config: ServerConfig, workload_flags: S
         argv += ["--tokendance-selection", setting.rule, "--tokendance-check-layer", str(setting.check_layer),
                  "--tokendance-screen-layer", str(setting.screen_layer),
                  "--tokendance-group-selection", setting.group, "--tokendance-group-probe", str(setting.probe)]
+    if not setting.planned:  # chunked prompts select per chunk, as the in-process setting does
+        argv += ["--no-tokendance-planned-selection"]
     if setting.budget is not None:
         argv += ["--tokendance-max-approximate-tokens", str(setting.budget)]
     if setting.storage != "dense":

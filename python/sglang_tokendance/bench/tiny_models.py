@@ -47,6 +47,20 @@ def tiny_config(arch: str):
     raise ValueError(f"unknown tiny model architecture {arch!r}; use one of {TINY_ARCHITECTURES}")
 
 
+def tiny_layerwise(arch: str = "llama"):
+    """A random-weight tiny model of `arch` (seeded 0, a 512-token vocabulary) in HF
+    transformers, driven layer by layer (bench/hf_layerwise): the fast in-process tests' model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from sglang_tokendance.bench.hf_layerwise import HFLayerwise
+
+    torch.manual_seed(0)
+    config = tiny_config(arch)
+    config.vocab_size = 512
+    return HFLayerwise(AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval())
+
+
 def write_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0, num_layers: int | None = None) -> Path:
     """Write a random-weight fp32 checkpoint of `arch` to `path` (deterministic in `seed`);
     `num_layers` replaces the tiny depth (4, below TokenDance's default check layer)."""

@@ -28,6 +28,10 @@ group's choice, and their kept tokens catch up through layers 0..c in a stage of
 after the check, over the KV as written back: probe work per shared segment is k members'
 whatever the group's size. (Under dense write-back the adopted tokens not kept keep their
 cached KV: they have no probe KV to write.)
+A row whose selection was made before its forward (RequestRow.kept: under chunked prefill the
+server selects over the whole prompt at its first chunk, srt/prompt_selection.py) is not
+probed: its kept tokens are computed with the fresh ones through every layer (in their own
+slots), the rest keep their cached KV.
 r = 1 is a full prefill (run as one: every token is kept whatever the scores); r = 0
 recomputes nothing, not even the probe: only fresh tokens run, attending to the cached KV at
 every layer.
@@ -155,7 +159,11 @@ class RequestRow:
     segments' slots themselves (Masters, shared with other readers, never written here), and
     `own` the request's own slots for those positions, one per reused token in run order.
     A reused token the selection keeps is computed into its own slot, and reads from there;
-    the others read the Master. None: the row's slots are the request's own everywhere."""
+    the others read the Master. None: the row's slots are the request's own everywhere.
+
+    `kept` (a mask over its reused tokens, run order): the selection was made before this
+    forward. None of its reused tokens is probed or scored; the kept ones are computed with
+    the fresh tokens, the others keep their cached KV, whatever the recompute ratio."""
 
     prefix_len: int
     num_tokens: int
@@ -164,6 +172,7 @@ class RequestRow:
     group: Hashable | None = None
     own: torch.Tensor | None = None
     max_approximate: int | None = None
+    kept: torch.Tensor | None = None
 
 
 @dataclass
@@ -187,8 +196,10 @@ def blended_prefill(model: LayerwiseModel, kv: KVStore, ids: torch.Tensor, posit
     shift (zero-copy storage)."""
     batch = _Batch(requests, positions, ids, reads, options)
     if not batch.stats.reused_tokens or max(batch.kept_shares(options)) <= 0:
-        computed = ~batch.reused
-        return _run_layers(model, kv, batch, model.embed(ids[computed]), computed, 0, batch.stats)
+        computed, stats = batch.tokens(batch.preselected), batch.stats
+        if batch.selected_before:
+            stats = dataclasses.replace(stats, kept=batch.preselected, kept_tokens=int(batch.preselected.sum()))
+        return _run_layers(model, kv, batch, model.embed(ids[computed]), computed, 0, stats)
     if rule is None:
         raise ValueError("a recompute ratio above 0 needs a selection rule")
     if options.keeps_everything:  # no rule can change the outcome: a full prefill
@@ -242,11 +253,9 @@ def probe(model: LayerwiseModel, kv: KVStore, ids: torch.Tensor, positions: torc
     if batch.own_locs is not None and not options.sparse_writeback:
         raise ValueError("dense write-back would write the probe's KV into shared Master slots: "
                          "zero-copy reuse needs sparse write-back")
-    if batch.adopted.any():
-        probed = ~batch.reused
-        probed[batch.reused] = ~batch.adopted
-        rows = probed.nonzero().squeeze(1)
-        checked = Probe(batch, c, rows, model.embed(ids[rows]), CheckState(), ~batch.adopted)
+    if batch.unprobed.any():
+        rows = batch.tokens(~batch.unprobed | batch.preselected).nonzero().squeeze(1)
+        checked = Probe(batch, c, rows, model.embed(ids[rows]), CheckState(), ~batch.unprobed)
     else:
         checked = Probe(batch, c, torch.arange(ids.shape[0], device=ids.device), model.embed(ids), CheckState(),
                         torch.ones(batch.stats.reused_tokens, dtype=torch.bool, device=ids.device))
@@ -266,7 +275,8 @@ def _probe_layers(model, kv, checked: Probe, layers: range, with_attention: bool
     is scratch; with `with_attention`, the last layer's attention also yields the mass the
     fresh tokens pay them."""
     batch, state = checked.batch, checked.state
-    stage = _Stage(model, batch, checked.rows, scratch=batch.reused[checked.rows], mass=with_attention)
+    stage = _Stage(model, batch, checked.rows, scratch=batch.tokens(checked.tracked, fresh=False)[checked.rows],
+                   mass=with_attention)
     for layer in layers:
         state.cached_k.append(stage.read_at_rows(kv.keys(layer)[stage.scratch_locs]))  # indexing copies
         state.cached_v.append(kv.values(layer)[stage.scratch_locs])
@@ -306,10 +316,11 @@ def _drop_tracked(kv, checked: Probe, drop: torch.Tensor, sparse_writeback: bool
 
 def select(checked: Probe, rule: SelectionRule, options: BlendOptions) -> torch.Tensor:
     """The kept mask over the reused tokens under `options` (only tracked tokens, and adopted
-    ones that take their group's choice, can be kept)."""
-    return select_kept(_scores(checked, rule), checked.batch.reused_segments(), checked.batch.kept_shares(options),
+    ones that take their group's choice, can be kept; rows selected before keep their choice)."""
+    batch = checked.batch
+    return select_kept(_scores(checked, rule), batch.reused_segments(), batch.kept_shares(options),
                        granularity=options.granularity, block_size=options.block_size,
-                       head_tokens=options.block_head_tokens) & (checked.tracked | checked.batch.adopted)
+                       head_tokens=options.block_head_tokens) & (checked.tracked | batch.adopted) | batch.preselected
 
 
 def _scores(checked: Probe, rule: SelectionRule) -> torch.Tensor:
@@ -330,8 +341,7 @@ def finish(model: LayerwiseModel, kv: KVStore, checked: Probe, kept: torch.Tenso
     batch, c = checked.batch.with_own_slots(kept), checked.check_layer
     written = kept if options.sparse_writeback else checked.tracked
     _write_probe_kv(kv, checked, written[checked.tracked], range(c + 1), batch)
-    computed = ~batch.reused
-    computed[batch.reused] = kept
+    computed = batch.tokens(kept)
     rows, hidden = checked.rows, checked.hidden
     caught = batch.reused.nonzero().squeeze(1)[kept & batch.adopted]
     token_layers = batch.stats.token_layers
@@ -447,6 +457,26 @@ class _Batch:
         self.adopted = adopted[self.reused]  # a mask over the reused tokens: they skip the probe
         self.stats = BlendStats(reused_tokens=int(self.reused.sum()))
         self.own_locs = self._own_locs()
+        # rows selected before this forward (RequestRow.kept), as masks over the reused tokens:
+        # theirs all skip the probe, the kept ones are computed (in their own slots) from the start
+        self.selected_before = any(r.kept is not None for r in self.requests)
+        self.unprobed, self.preselected = self.adopted, torch.zeros_like(self.adopted)
+        if self.selected_before:
+            sizes = [sum(run.end - run.start for run in runs) for runs in self.runs]
+            self.unprobed = self.adopted | torch.cat([torch.full((n,), r.kept is not None, device=device)
+                                                      for n, r in zip(sizes, self.requests)])
+            self.preselected = torch.cat([torch.zeros(n, dtype=torch.bool, device=device) if r.kept is None
+                                          else r.kept.to(device=device, dtype=torch.bool)
+                                          for n, r in zip(sizes, self.requests)])
+            if self.own_locs is not None:
+                self._move_to_own(self.preselected)
+
+    def tokens(self, reused: torch.Tensor, fresh: bool = True) -> torch.Tensor:
+        """A mask over the batch tokens: the reused ones `reused` (a mask over them) and, with
+        `fresh`, every token not reused."""
+        mask = ~self.reused if fresh else torch.zeros_like(self.reused)
+        mask[self.reused] = reused
+        return mask
 
     def _own_locs(self) -> torch.Tensor | None:
         """Each reused token's own slot (None: no request reads a Master in place); a request
@@ -463,28 +493,34 @@ class _Batch:
         if self.own_locs is None or not bool(kept.any()):
             return self
         moved = copy.copy(self)
+        moved._move_to_own(kept)
+        return moved
+
+    def _move_to_own(self, kept: torch.Tensor) -> None:
+        """Point the kept reused tokens' `locs` and KV row entries at their own slots (copies)."""
         rows = self.reused.nonzero().squeeze(1)[kept]
-        moved.locs = self.locs.clone()
-        moved.locs[rows] = self.own_locs[kept]
-        moved.kv_rows = list(self.kv_rows)
+        self.locs = self.locs.clone()
+        self.locs[rows] = self.own_locs[kept]
+        self.kv_rows = list(self.kv_rows)
         for b in self.request[rows].unique().tolist():
             mine = rows[self.request[rows] == b]
-            moved.kv_rows[b] = moved.kv_rows[b].clone()
-            moved.kv_rows[b][self.positions[mine]] = moved.locs[mine]
-        return moved
+            self.kv_rows[b] = self.kv_rows[b].clone()
+            self.kv_rows[b][self.positions[mine]] = self.locs[mine]
 
     def _share(self, options: BlendOptions):
         """Per run: its shared-segment tag for group-aligned selection, and whether it adopts
         the group's choice without probing (core/collective.share_runs)."""
         if options.group_selection != "aligned":
             return [[None] * len(runs) for runs in self.runs], [[False] * len(runs) for runs in self.runs]
-        return share_runs([r.group for r in self.requests],
+        return share_runs([r.group if r.kept is None else None for r in self.requests],
                           [[GroupRun(run.segment, run.segment_offset, run.end - run.start) for run in runs]
                            for runs in self.runs], options.group_probe)
 
     def kept_shares(self, options: BlendOptions) -> list[float]:
-        """Each request's share of its reused tokens to recompute (its fidelity budget applied)."""
-        return [kept_share(options.recompute_ratio, sum(run.end - run.start for run in runs), r.max_approximate)
+        """Each request's share of its reused tokens to recompute (its fidelity budget applied;
+        0 for a row selected before this forward: nothing more is chosen there)."""
+        return [0.0 if r.kept is not None else
+                kept_share(options.recompute_ratio, sum(run.end - run.start for run in runs), r.max_approximate)
                 for r, runs in zip(self.requests, self.runs)]
 
     def reused_segments(self) -> list[list[ReusedSegment]]:

@@ -10,12 +10,18 @@ this one function, so a benchmark measures the plan the server makes.
 Rules: the prompt's last token is always computed (its logits start the answer); a Master
 shorter than its span (a registered output lacks its last token's KV) covers only its
 length, and the rest of the span is computed.
+
+Under chunked prefill the server may choose a prompt's recomputed tokens once, over all its
+chunks (`PromptSelection`, srt/prompt_selection.py): each chunk then reads only the runs that
+choice covered.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Callable, Generic, Sequence, TypeVar
+
+import torch
 
 from sglang_tokendance.core.segments import SegmentSpan
 
@@ -70,3 +76,32 @@ def plan_chunk(spans: Sequence[SegmentSpan], lookup: Callable[[SegmentSpan], tup
         if end > start:
             plan.runs.append(PlannedRun(start, end, start - span.start, master))
     return plan
+
+
+@dataclass(frozen=True)
+class PromptSelection:
+    """Which of a prompt's positions [start, start + len) read a Master (`reused`) and which of
+    those are recomputed (`kept`): one selection made before the prompt's chunks ran (host
+    bool masks over the positions)."""
+
+    start: int
+    reused: torch.Tensor
+    kept: torch.Tensor
+
+    def covers(self, run: PlannedRun) -> bool:
+        """Whether every position of `run` was planned as reused."""
+        lo, hi = run.start - self.start, run.end - self.start
+        return 0 <= lo and hi <= self.reused.numel() and bool(self.reused[lo:hi].all())
+
+    def kept_at(self, positions: torch.Tensor) -> torch.Tensor:
+        """The kept mask of `positions` (planned reused positions), on their device."""
+        return self.kept[positions.cpu() - self.start].to(positions.device)
+
+    @classmethod
+    def of(cls, start: int, end: int, runs: Sequence[PlannedRun], kept: torch.Tensor) -> "PromptSelection":
+        """The selection of positions [start, end) whose reused `runs` (in order) kept `kept`
+        (a mask over the runs' tokens)."""
+        reused, chosen = torch.zeros(end - start, dtype=torch.bool), torch.zeros(end - start, dtype=torch.bool)
+        at = torch.cat([torch.arange(run.start, run.end) for run in runs]) - start
+        reused[at], chosen[at] = True, kept.cpu()
+        return cls(start, reused, chosen)

@@ -22,11 +22,13 @@ Rules (`--tokendance-selection`):
   reused text -- counts as the average seen token). It needs a probe a few layers deep (c >= 3;
   measured best at c = 5); at c = 1 it is worse than CacheBlend's rule (benchmark/results/quality.md).
 
-The metric they optimise: the rules and the default (attention-kv, c = 5, screen at 1) were
-chosen on the first output token's KL. Users feel the decode steps' KL on content tokens, and
-there (`bench_quality --fidelity`, benchmark/results/quality_fidelity.md) CacheBlend's K+V
-deviation at c = 8, screened, is 19-25% better at 10 and 16 agents and ties at 4; the default
-is not re-tuned on it yet. The fidelity budget bounds the decode error whatever the rule.
+The metric they optimise: users feel the decode steps' KL on content tokens (the first output
+token's KL hides most of the error), and the default is chosen on it: CacheBlend's K+V
+deviation checked at c = 8, screened at layer 1 (`bench_quality --fidelity`, four seeds, N = 4,
+10 and 16, two workloads: benchmark/results/quality_selection_retune.md and
+quality_default_switch.md). The earlier default, attention-kv at c = 5, was chosen on the first
+token's KL; its attention factor favours what the prompt's last tokens read, which helps the
+first token and not decode. The fidelity budget bounds the decode error whatever the rule.
 """
 
 from __future__ import annotations

@@ -29,11 +29,12 @@ Reuse wraps SGLang's allocation of a batch's slots (`restore_segments`, an AROUN
 ScheduleBatch.prepare_for_extend): each request's chunk is planned first (srt/reuse.py,
 core/plan.py), the allocation's eviction takes the Masters those plans read last, then the
 reused positions are restored as above; the model forward (srt/forward_hook.py) runs the
-blended prefill on the plans and hands them back (`settle`). A request's approximate KV never
-enters the shared tree, in any chunk: it publishes only the part before its first reused
-token, and caches only segments that end before it. Under mirror storage a finished row that
-names its agent is kept whole for that agent alone, in a namespace only the agent's requests
-match (srt/kept_mirrors.py).
+blended prefill on the plans (a chunked prompt's first blended chunk choosing for the whole
+prompt first: `select_prompts`, srt/prompt_selection.py) and hands them back (`settle`).
+A request's approximate KV never enters the shared tree, in any chunk: it publishes only the
+part before its first reused token, and caches only segments that end before it. Under
+mirror storage a finished row that names its agent is kept whole for that agent alone, in a
+namespace only the agent's requests match (srt/kept_mirrors.py).
 
 Output registration: srt/output_registration.py. Metrics: srt/metrics.py.
 """
@@ -62,9 +63,10 @@ from sglang_tokendance.server_args import TokenDanceArgs
 from sglang_tokendance.srt.kept_mirrors import KeptMirrors, is_kept
 from sglang_tokendance.srt.kv_copy import PoolKeys, bytes_per_token, serving_rope_spec
 from sglang_tokendance.srt.metrics import NO_METRICS, ForestMetrics, PrometheusForestMetrics, StorageCounts
-from sglang_tokendance.srt.model import SUPPORTED_ARCHITECTURES
+from sglang_tokendance.srt.model import SUPPORTED_ARCHITECTURES, PoolKV, SGLangLayers
 from sglang_tokendance.srt.output_registration import output_kv_tokens, output_segment_ids
 from sglang_tokendance.srt.pool import RefCountedAllocator
+from sglang_tokendance.srt.prompt_selection import needs_selection, select_prompt
 from sglang_tokendance.srt.request import RequestOptions, RequestOptionsCache
 from sglang_tokendance.srt.reuse import ChunkPlan, RequestReuse, is_lora, may_reuse
 from sglang_tokendance.srt.storage import MasterStorage
@@ -80,7 +82,8 @@ class SegmentForest(KeptMirrors):
                  min_segment_tokens: int = 16, options: Callable[[object], RequestOptions] | None = None,
                  group_of: Callable[[object], Hashable | None] = lambda req: None,
                  leads: Callable[[object], bool] = lambda req: False, exact_recurrence: bool = True,
-                 cost: PrefillCost | None = None, max_approximate: int | None = None, diff_threshold: float = 0.0):
+                 cost: PrefillCost | None = None, max_approximate: int | None = None, diff_threshold: float = 0.0,
+                 planned_selection: bool = True):
         self.options = options or RequestOptionsCache()  # each request's TokenDance options, parsed once
         self.group_of = group_of  # the key of the round group a request is admitted with (srt/policy)
         self.leads = leads  # whether a request is admitted as its round's leader (srt/policy)
@@ -90,6 +93,7 @@ class SegmentForest(KeptMirrors):
         self.blend, self.rule = blend, rule
         self.cost = cost  # chunks whose blending would not pay take SGLang's path (None: every match blends)
         self.max_approximate = max_approximate  # each request's fidelity budget (None: the ratio alone)
+        self.planned_selection = planned_selection  # a chunked prompt's selection made once (srt/prompt_selection)
         self.min_segment_tokens = min_segment_tokens
         self.sightings = Sightings() if exact_recurrence else None  # blocks to compute exactly where they recur
         self.requests: dict[object, RequestReuse] = {}  # SGLang's Req -> its reuse, until released
@@ -266,6 +270,17 @@ class SegmentForest(KeptMirrors):
                 self._compute_in_full(plan)
             return None
         return plans if any(plans) else None
+
+    def select_prompts(self, plans: list[ChunkPlan], layers: SGLangLayers, pool: PoolKV) -> None:
+        """Planned selection (srt/prompt_selection.py): each chunk of the forward that starts its
+        chunked prompt's blending chooses the recomputed tokens of the whole prompt."""
+        for plan in plans if self.planned_selection else ():
+            if needs_selection(plan, self.blend):
+                row = self.req_to_token_pool.req_to_token[plan.pool_index]
+                selection = select_prompt(plan, self.segments, self.storage, layers, pool, row, self.blend,
+                                          self.rule, self.cost)
+                if selection is not None:
+                    plan.request.selection, plan.selected = selection, True
 
     def settle(self, plans: list[ChunkPlan], kept: torch.Tensor | None, adopted: torch.Tensor | None) -> None:
         """After the blended prefill of `plans` (the batch's reusing requests, in batch order):
@@ -445,7 +460,8 @@ def build_forest(ctx: TreeCacheBuildContext, options: Callable[[object], Request
                          blend=blend, rule=rule,
                          min_segment_tokens=args.min_segment_tokens, options=options, group_of=group_of, leads=leads,
                          exact_recurrence=args.exact_recurrence, cost=cost,
-                         max_approximate=args.approximate_budget, diff_threshold=args.diff_threshold)
+                         max_approximate=args.approximate_budget, diff_threshold=args.diff_threshold,
+                         planned_selection=args.planned_selection)
 
 
 def restore_after_allocation(prepare_for_extend, batch, *args, **kwargs):

@@ -2,7 +2,9 @@
 
 An AROUND hook on the decoder forwards of srt/model.py: such a batch runs core/blend's
 blended prefill on the requests' chunk plans (srt/reuse.py); every other batch runs SGLang's
-own forward. Under mirror storage the rows read the Masters' slots in place, at a shift (the
+own forward. A chunk that starts a chunked prompt's blending first chooses for the whole
+prompt (srt/prompt_selection.py, through the forest). Under mirror storage the rows read the
+Masters' slots in place, at a shift (the
 forest's `reads`) and carry the request's own slots for the reused
 positions (`RequestRow.own`); after the forward the forest settles them (kept tokens keep
 their own slots, the others' are freed). A batch the blended prefill cannot serve (input
@@ -28,14 +30,16 @@ def model_forward(forest, original, model, input_ids, positions, forward_batch, 
         return original(model, input_ids, positions, forward_batch, *args, **kwargs)
     from sglang.srt.model_executor.forward_context import get_token_to_kv_pool
 
+    layers = SGLangLayers(model, forward_batch)
+    pool = PoolKV(get_token_to_kv_pool(), layers)
+    forest.select_prompts([plan for plan in plans if plan is not None], layers, pool)
     req_to_token = forest.req_to_token_pool.req_to_token
     rows = [RequestRow(prefix, extend, req_to_token[pool_index, :prefix + extend]) if plan is None
             else plan.request_row(req_to_token[pool_index, :prefix + extend])
             for plan, prefix, extend, pool_index in zip(plans, forward_batch.extend_prefix_lens_cpu,
                                                         forward_batch.extend_seq_lens_cpu,
                                                         forward_batch.req_pool_indices_cpu.tolist())]
-    layers = SGLangLayers(model, forward_batch)
-    hidden, stats = blended_prefill(layers, PoolKV(get_token_to_kv_pool(), layers), input_ids, positions, rows,
+    hidden, stats = blended_prefill(layers, pool, input_ids, positions, rows,
                                     forest.blend, forest.rule, forest.reads)
     forest.settle([plan for plan in plans if plan is not None], stats.kept, stats.adopted)
     return hidden

@@ -8,7 +8,10 @@ chunk's tokens hit which cached segments (a segment that straddles chunks is reu
 each piece from its offset in the segment). The forward hook reads the plan, the blended
 prefill fills in how many reused tokens it recomputed, and the request's counts are the sums
 over its chunks. `first_reused` is the request's earliest reused position over all chunks:
-nothing from there on is exact, so the tree never receives it.
+nothing from there on is exact, so the tree never receives it. Under planned selection
+(srt/prompt_selection.py) the request also holds the choice of recomputed tokens made for its
+whole prompt at its first blended chunk (`selection`); its later chunks read only what that
+covered and recompute their part of it.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from sglang_tokendance.core.blend import RequestRow, ReusedRun
 from sglang_tokendance.core.cost import PrefillCost
 from sglang_tokendance.core.segment_table import SegmentEntry, SegmentTable
 from sglang_tokendance.core.segments import SegmentSpan
-from sglang_tokendance.core.plan import ChunkRuns, PlannedRun, plan_chunk
+from sglang_tokendance.core.plan import ChunkRuns, PlannedRun, PromptSelection, plan_chunk
 from sglang_tokendance.core.recurrence import Sightings
 from sglang_tokendance.srt.prompt_interface import REUSE_INFO_KEY
 from sglang_tokendance.srt.request import RequestOptions
@@ -47,6 +50,7 @@ class ReuseCounts:
     exact_recurring_tokens: int = 0  # block tokens computed exactly where they recurred (core/recurrence.py)
     cost_fallback_tokens: int = 0  # matched block tokens computed because blending their chunk would not pay
     round_master_tokens: int = 0  # its round's leader: block tokens whose exact KV replaced their Masters
+    planned_tokens: int = 0  # reused tokens whose recompute the whole prompt's selection chose (chunked prefill)
 
     def compression(self) -> float | None:
         """Reused positions per own slot among them (1.0: a dense copy; None: no own slot)."""
@@ -70,6 +74,7 @@ class ChunkPlan:
     max_approximate: int | None = None  # what the request's fidelity budget leaves this chunk (None: no bound)
     pool_index: int = -1  # the request's row in SGLang's req_to_token
     own: torch.Tensor | None = None  # zero copy: the own slots of the reused positions, until settled
+    selected: bool = False  # its kept tokens come from the request's planned selection (no probe)
 
     @property
     def reused_tokens(self) -> int:
@@ -84,7 +89,9 @@ class ChunkPlan:
         to the chunk's first token, its round group, own slots and fidelity budget."""
         runs = [ReusedRun(r.start - self.prefix_len, r.end - self.prefix_len, r.segment_offset, r.master.key)
                 for r in self.runs]
-        return RequestRow(self.prefix_len, self.extend_len, slots, runs, self.group, self.own, self.max_approximate)
+        kept = self.request.selection.kept_at(self.positions(slots.device)) if self.selected else None
+        return RequestRow(self.prefix_len, self.extend_len, slots, runs, self.group, self.own, self.max_approximate,
+                          kept)
 
 
 @dataclass
@@ -103,6 +110,7 @@ class RequestReuse:
     uninserted: list[SegmentSpan] = field(default_factory=list)  # spans not yet cached
     reading: list[SegmentEntry] = field(default_factory=list)  # Masters the row reads in place (pinned)
     read_slots: dict[int, torch.Tensor] = field(default_factory=dict)  # chunk start -> Master slots its row reads
+    selection: PromptSelection | None = None  # the whole prompt's recomputed tokens (planned selection)
     _looked_up: set[int] = field(default_factory=set)  # spans counted as a hit or a miss
 
     @property
@@ -154,21 +162,19 @@ class RequestReuse:
         request's namespace; counts the chunk's tokens, and each span's hit or miss once.
         With `cost`, a chunk whose blending would not pay reads nothing: SGLang's path computes it.
         `max_approximate`: the server's fidelity budget (the request's own, when it sets one, wins);
-        the chunk gets what earlier chunks left of it (their reused tokens not recomputed)."""
-        if self.options.max_approximate_tokens is not None:
-            max_approximate = self.options.max_approximate_tokens
-        allowance = None if max_approximate is None else max(0, max_approximate - self.counts.reused_tokens)
-        runs = ChunkRuns()
-        if self.can_reuse:
-            ids = self.req.origin_input_ids
-            runs = plan_chunk(self.reusable, lambda span: self._lookup(table, span, ids), prefix_len, extend_end,
-                              len(ids))
+        the chunk gets what earlier chunks left of it (their reused tokens not recomputed).
+        Under a planned selection the chunk reads only the runs it covered (a span cached since
+        is computed) and recomputes its part of it; its cost was weighed when it was made."""
+        allowance = self.allowance(max_approximate)
+        runs = self.runs_in(table, prefix_len, extend_end)
+        if self.selection is not None:
+            runs.runs, cost = [run for run in runs.runs if self.selection.covers(run)], None
         fell_back = 0
         if runs.runs and cost is not None and not cost.pays(prefix_len, extend_end - prefix_len, runs.reused_tokens,
                                                              allowance):
             fell_back, runs.runs = runs.reused_tokens, []
         plan = ChunkPlan(self, prefix_len, extend_end - prefix_len, runs.runs, group=group, fell_back=fell_back,
-                         max_approximate=allowance,
+                         max_approximate=allowance, selected=self.selection is not None,
                          hits=len(set(runs.found) - self._looked_up), misses=len(set(runs.missed) - self._looked_up))
         self._looked_up.update(runs.found + runs.missed)
         reused = plan.reused_tokens
@@ -181,6 +187,20 @@ class RequestReuse:
         self.counts.cost_fallback_tokens += fell_back
         self.publish()
         return plan
+
+    def allowance(self, max_approximate: int | None) -> int | None:
+        """What is left of the fidelity budget (`max_approximate`, the server's; the request's
+        own wins) after the reused tokens its earlier chunks left approximate (None: no bound)."""
+        if self.options.max_approximate_tokens is not None:
+            max_approximate = self.options.max_approximate_tokens
+        return None if max_approximate is None else max(0, max_approximate - self.counts.reused_tokens)
+
+    def runs_in(self, table: SegmentTable, start: int, end: int) -> ChunkRuns[SegmentEntry]:
+        """The runs of prompt positions [start, end) over the cached segments (nothing counted)."""
+        if not self.can_reuse:
+            return ChunkRuns()
+        ids = self.req.origin_input_ids
+        return plan_chunk(self.reusable, lambda span: self._lookup(table, span, ids), start, end, len(ids))
 
     def _lookup(self, table: SegmentTable, span: SegmentSpan, ids) -> tuple[SegmentEntry, int] | None:
         entry = table.lookup(self.key(span.hash), ids[span.start:span.end])
@@ -210,6 +230,8 @@ class RequestReuse:
         self.counts.mirror_diff_tokens += own
         self.counts.within_threshold_tokens += within_threshold
         self.counts.adopted_tokens += adopted
+        if plan.selected:
+            self.counts.planned_tokens += plan.reused_tokens
         self.publish()
 
     def publish(self) -> None:

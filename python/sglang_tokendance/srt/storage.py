@@ -143,6 +143,17 @@ class MasterStorage:
         if src:
             copy_kv(self.pool, torch.cat(src), torch.cat(dst), torch.cat(positions), self.keys.pooled)
 
+    def read_at(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, masters: bool
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `slots` at one pool layer as a row reading them at `positions` sees them
+        (K rotated there): Masters' slots (`masters`; dense storage keeps their K un-rotated) or
+        a row's own (dense storage: K at those positions already). Mirror storage: every slot
+        at its frame. (Copies: for scratch KV, srt/prompt_selection.py.)"""
+        k, v = self.pool.get_key_buffer(layer)[slots], self.pool.get_value_buffer(layer)[slots]
+        if self.zero_copy:
+            return self.reads.shift_(k, self.reads.shifts(slots, positions)), v
+        return (self.keys.pooled(k, positions).to(k.dtype) if masters else k), v
+
     def _point_at_masters(self, plan: ChunkPlan, row: torch.Tensor, masters: torch.Tensor) -> None:
         """The row's reused positions read the Masters' slots in place (one reference each,
         every Master pinned); the slots SGLang allocated there are kept aside in the plan."""
