@@ -150,7 +150,7 @@ def test_later_chunks_read_what_the_choice_covered_and_recompute_their_part(mode
     first = setup.state.plan_chunk(setup.table, PREFIX, PREFIX + CHUNK)
     selection = select_prompt(first, setup.table, setup.storage, model, setup.pool_kv, setup.row, OPTIONS,
                               rule_named("attention-kv"), None)
-    setup.state.selection, first.selected = selection, True
+    setup.state.selection = selection
     assert not needs_selection(first, OPTIONS)  # chosen once
     row = first.request_row(torch.arange(PREFIX + CHUNK))
     assert torch.equal(row.kept, selection.kept_at(first.positions(torch.device("cpu"))))

@@ -280,7 +280,7 @@ class SegmentForest(KeptMirrors):
                 selection = select_prompt(plan, self.segments, self.storage, layers, pool, row, self.blend,
                                           self.rule, self.cost)
                 if selection is not None:
-                    plan.request.selection, plan.selected = selection, True
+                    plan.request.selection = selection
 
     def settle(self, plans: list[ChunkPlan], kept: torch.Tensor | None, adopted: torch.Tensor | None) -> None:
         """After the blended prefill of `plans` (the batch's reusing requests, in batch order):

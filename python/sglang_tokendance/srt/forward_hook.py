@@ -32,7 +32,8 @@ def model_forward(forest, original, model, input_ids, positions, forward_batch, 
 
     layers = SGLangLayers(model, forward_batch)
     pool = PoolKV(get_token_to_kv_pool(), layers)
-    forest.select_prompts([plan for plan in plans if plan is not None], layers, pool)
+    planned = [plan for plan in plans if plan is not None]
+    forest.select_prompts(planned, layers, pool)
     req_to_token = forest.req_to_token_pool.req_to_token
     rows = [RequestRow(prefix, extend, req_to_token[pool_index, :prefix + extend]) if plan is None
             else plan.request_row(req_to_token[pool_index, :prefix + extend])
@@ -41,7 +42,7 @@ def model_forward(forest, original, model, input_ids, positions, forward_batch, 
                                                         forward_batch.req_pool_indices_cpu.tolist())]
     hidden, stats = blended_prefill(layers, pool, input_ids, positions, rows,
                                     forest.blend, forest.rule, forest.reads)
-    forest.settle([plan for plan in plans if plan is not None], stats.kept, stats.adopted)
+    forest.settle(planned, stats.kept, stats.adopted)
     return hidden
 
 

@@ -74,11 +74,15 @@ class ChunkPlan:
     max_approximate: int | None = None  # what the request's fidelity budget leaves this chunk (None: no bound)
     pool_index: int = -1  # the request's row in SGLang's req_to_token
     own: torch.Tensor | None = None  # zero copy: the own slots of the reused positions, until settled
-    selected: bool = False  # its kept tokens come from the request's planned selection (no probe)
 
     @property
     def reused_tokens(self) -> int:
         return sum(len(run) for run in self.runs)
+
+    @property
+    def selected(self) -> bool:
+        """Whether its kept tokens come from the request's planned selection (no probe)."""
+        return self.request.selection is not None
 
     def positions(self, device: torch.device) -> torch.Tensor:
         """The reused row positions, in run order."""
@@ -174,7 +178,7 @@ class RequestReuse:
                                                              allowance):
             fell_back, runs.runs = runs.reused_tokens, []
         plan = ChunkPlan(self, prefix_len, extend_end - prefix_len, runs.runs, group=group, fell_back=fell_back,
-                         max_approximate=allowance, selected=self.selection is not None,
+                         max_approximate=allowance,
                          hits=len(set(runs.found) - self._looked_up), misses=len(set(runs.missed) - self._looked_up))
         self._looked_up.update(runs.found + runs.missed)
         reused = plan.reused_tokens
