@@ -19,22 +19,37 @@ def summary(mode: str, prefill: list[float], latency: list[float], cached: list[
 
 def test_shape_row_compares_the_rounds_after_the_first():
     row = bench_never_worse.shape_row(bench_never_worse.SHAPES["static"], {
-        "radix": summary("radix", [9.0, 4.0, 6.0], [20.0, 8.0, 12.0], [0, 300, 500], [0, 0, 0]),
-        "tokendance": summary("tokendance", [1.0, 2.0, 3.0], [2.0, 5.0, 5.0], [0, 200, 500], [50, 60, 0]),
+        "radix": [summary("radix", [9.0, 4.0, 6.0], [20.0, 8.0, 12.0], [0, 300, 500], [0, 0, 0])],
+        "tokendance": [summary("tokendance", [1.0, 2.0, 3.0], [2.0, 5.0, 5.0], [0, 200, 500], [50, 60, 0])],
     })
     assert row["prefill_speedup"] == pytest.approx(5.0 / 2.5) and row["latency_speedup"] == pytest.approx(10 / 5)
+    assert row["prefill_speedup_worst"] == row["prefill_speedup"] and row["repeats"] == 1
     assert (row["exact_tokens_radix"], row["exact_tokens"], row["approximate_tokens"]) == (800, 700, 60)
     assert row["prompt_tokens"] == row["prompt_tokens_radix"] == 2000
     assert (row["last_round_exact_tokens_radix"], row["last_round_exact_tokens"]) == (500, 500)
     assert row["exact_ratio"] == pytest.approx(700 / 800)
     same = summary("radix", [1.0, 1.0], [1.0, 1.0], [0, 40], [0, 0])
     unmarked = bench_never_worse.shape_row(bench_never_worse.SHAPES["unmarked"], {
-        "radix": same, "tokendance-unmarked": {**same, "mode": "tokendance-unmarked"}})
+        "radix": [same], "tokendance-unmarked": [{**same, "mode": "tokendance-unmarked"}]})
     assert unmarked["mode"] == "tokendance-unmarked" and unmarked["exact_ratio"] == 1.0
 
 
+def test_repeats_pool_their_rounds_and_keep_the_worst_ratio():
+    radix = [summary("radix", [9.0, 4.0, 4.0], [9.0, 8.0, 8.0], [0, 300, 300], [0, 0, 0]),
+             summary("radix", [9.0, 6.0, 6.0], [9.0, 8.0, 8.0], [0, 300, 300], [0, 0, 0])]
+    ours = [summary("tokendance", [9.0, 2.0, 2.0], [9.0, 16.0, 16.0], [0, 300, 300], [10, 0, 0]),
+            summary("tokendance", [9.0, 8.0, 8.0], [9.0, 4.0, 4.0], [0, 300, 300], [0, 20, 0])]
+    row = bench_never_worse.shape_row(bench_never_worse.SHAPES["all-gather"], {"radix": radix, "tokendance": ours})
+    assert row["repeats"] == 2
+    assert row["prefill_speedup"] == pytest.approx(5.0 / 5.0)  # mean round 5 s on both sides
+    assert row["prefill_speedup_worst"] == pytest.approx(6.0 / 8.0)  # the second repeat's
+    assert row["latency_speedup"] == pytest.approx(8.0 / 10.0) and row["latency_speedup_worst"] == pytest.approx(0.5)
+    assert (row["exact_tokens_radix"], row["exact_tokens"], row["approximate_tokens"]) == (1200, 1200, 20)
+    assert (row["last_round_exact_tokens_radix"], row["last_round_exact_tokens"]) == (600, 600)
+
+
 def test_cli_refuses_unknown_shapes_and_single_rounds():
-    for argv in (["--shapes", "all-gather,spiral"], ["--num-rounds", "1"]):
+    for argv in (["--shapes", "all-gather,spiral"], ["--num-rounds", "1"], ["--repeats", "0"]):
         with pytest.raises(SystemExit):
             bench_never_worse.parse_args(argv)
 
@@ -43,7 +58,7 @@ def test_cli_refuses_unknown_shapes_and_single_rounds():
 def test_every_shape_serves_at_least_radixs_exact_tokens(tmp_path, tiny_llama):
     out = tmp_path / "never_worse.jsonl"
     bench_never_worse.main(["--model-path", tiny_llama, "--num-agents", "3", "--num-rounds", "4",
-                            "--max-new-tokens", "24", "--output-file", str(out)])
+                            "--max-new-tokens", "24", "--repeats", "1", "--output-file", str(out)])
     rows = {r["shape"]: r for r in map(json.loads, out.read_text().splitlines()) if r["type"] == "shape"}
     assert set(rows) == set(bench_never_worse.SHAPES)
     assert all(row["errors"] == 0 for row in rows.values())

@@ -2,8 +2,9 @@
 
 Turning TokenDance on must never lose what stock SGLang gives. Each shape runs one simulation
 (bench_multiagent's whole rounds: prefill and decode) on a stock radix server and on a TokenDance
-server, both emptied first (`/flush_cache`), and sets them side by side over the rounds after
-the first: round prefill and round latency (radix's time over TokenDance's: >= 1 is never
+server, both emptied first (`/flush_cache`), `--repeats` times with the order alternating (round
+times on two cores move by 10-30% from run to run), and sets them side by side over the rounds
+after the first: round prefill and round latency (radix's time over TokenDance's: >= 1 is never
 worse), and the prompt tokens served exactly from the radix tree (TokenDance's over radix's:
 >= 1 is never less exact) next to the tokens TokenDance reused approximately. The next round's
 blocks are this round's answers, so where TokenDance answers differently the two sides' later
@@ -61,36 +62,49 @@ def later(by_round: dict[str, float]) -> list[float]:
     return [v for k, v in by_round.items() if int(k) > 0]
 
 
-def shape_row(shape: Shape, summaries: dict[str, dict]) -> dict:
-    """TokenDance against radix on one shape, over the rounds after the first."""
+def shape_row(shape: Shape, summaries: dict[str, list[dict]]) -> dict:
+    """TokenDance against radix on one shape, over the rounds after the first: each mode's
+    repeats (`summaries[mode]`, one summary per run) pooled. Times are the mean round over every
+    repeat (the speedups' ratio of means, and each repeat's own ratio at its worst); tokens are
+    totals over the repeats."""
     radix, ours = summaries["radix"], summaries[shape.tokendance_mode]
 
-    def mean_later(summary: dict, key: str) -> float:
-        values = later(summary[key])
+    def mean_later(runs: list[dict], key: str) -> float:
+        values = [v for summary in runs for v in later(summary[key])]
         return sum(values) / len(values)
 
-    def total_later(summary: dict, key: str) -> int:
-        return sum(later(summary[key]))
+    def total_later(runs: list[dict], key: str) -> int:
+        return sum(sum(later(summary[key])) for summary in runs)
+
+    def speedup(key: str) -> float:
+        return mean_later(radix, key) / mean_later(ours, key)
+
+    def worst_speedup(key: str) -> float:
+        return min(mean_later([r], key) / mean_later([o], key) for r, o in zip(radix, ours))
 
     exact_radix, exact_ours = total_later(radix, "cached_tokens_by_round"), total_later(ours, "cached_tokens_by_round")
-    last = max(radix["cached_tokens_by_round"], key=int)
+    last = max(radix[0]["cached_tokens_by_round"], key=int)
     return {
-        "shape": shape.name, "mode": shape.tokendance_mode,
-        "prefill_speedup": mean_later(radix, "round_prefill_by_round_s") / mean_later(ours, "round_prefill_by_round_s"),
-        "latency_speedup": mean_later(radix, "round_latency_by_round_s") / mean_later(ours, "round_latency_by_round_s"),
+        "shape": shape.name, "mode": shape.tokendance_mode, "repeats": len(ours),
+        "prefill_speedup": speedup("round_prefill_by_round_s"),
+        "prefill_speedup_worst": worst_speedup("round_prefill_by_round_s"),
+        "latency_speedup": speedup("round_latency_by_round_s"),
+        "latency_speedup_worst": worst_speedup("round_latency_by_round_s"),
         "prompt_tokens_radix": total_later(radix, "prompt_tokens_by_round"),
         "prompt_tokens": total_later(ours, "prompt_tokens_by_round"),
         "exact_tokens_radix": exact_radix, "exact_tokens": exact_ours,
         "exact_ratio": exact_ours / exact_radix if exact_radix else None,
-        "last_round_exact_tokens_radix": radix["cached_tokens_by_round"][last],
-        "last_round_exact_tokens": ours["cached_tokens_by_round"][last],
+        "last_round_exact_tokens_radix": sum(s["cached_tokens_by_round"][last] for s in radix),
+        "last_round_exact_tokens": sum(s["cached_tokens_by_round"][last] for s in ours),
         "approximate_tokens": total_later(ours, "reused_tokens_by_round"),
-        "errors": radix["errors"] + ours["errors"],
+        "errors": sum(s["errors"] for s in (*radix, *ours)),
     }
 
 
 def run_shapes(shapes: list[Shape], args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
-    """Every shape on its pair of servers: its comparison row, and every request's, round's and idle check's record."""
+    """Every shape on its pair of servers, `args.repeats` times with the modes' order alternating
+    (radix first, then TokenDance first, ...): its comparison row, and every request's, round's
+    and idle check's record."""
     rows, records = [], []
     for chunk in dict.fromkeys(shape.chunked_prefill for shape in shapes):
         extra = [*(["--model-path", args.model_path] if args.model_path else []),
@@ -98,17 +112,21 @@ def run_shapes(shapes: list[Shape], args: argparse.Namespace) -> tuple[list[dict
         with contextlib.ExitStack() as stack:
             urls = {stock: stack.enter_context(ServerProcess(extra, stock=stock)).url for stock in (True, False)}
             for shape in (s for s in shapes if s.chunked_prefill == chunk):
-                config, summaries = shape.config(args), {}
+                config = shape.config(args)
+                modes = [MODES["radix"], MODES[shape.tokendance_mode]]
+                summaries: dict[str, list[dict]] = {mode.name: [] for mode in modes}
                 records.append({"type": "idle", "shape": shape.name, **idle_check()})
-                for mode in (MODES["radix"], MODES[shape.tokendance_mode]):
-                    url = urls[mode.stock]
-                    warm_up(mode, url, config)
-                    flush_cache(url)
-                    result = run(mode, url, config, 1, float("inf"), f"{shape.name}: {mode.name}")
-                    summaries[mode.name] = result.summary()
-                    records += [{"type": kind, "shape": shape.name, "mode": mode.name, **asdict(r)}
-                                for kind, items in (("request", result.requests), ("round", result.rounds))
-                                for r in items]
+                for repeat in range(args.repeats):
+                    for mode in modes if repeat % 2 == 0 else modes[::-1]:
+                        url = urls[mode.stock]
+                        warm_up(mode, url, config)
+                        flush_cache(url)
+                        result = run(mode, url, config, 1, float("inf"), f"{shape.name}: {mode.name} #{repeat}")
+                        summaries[mode.name].append(result.summary())
+                        records += [{"type": kind, "shape": shape.name, "mode": mode.name, "repeat": repeat,
+                                     **asdict(r)}
+                                    for kind, items in (("request", result.requests), ("round", result.rounds))
+                                    for r in items]
                 rows.append(shape_row(shape, summaries))
     return rows, records
 
@@ -149,11 +167,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--model-path", default=None, help="default: the prepared SmolLM2-135M-Instruct")
     p.add_argument("--output-file", type=Path, default=Path("benchmark/results/never_worse.jsonl"),
                    help="JSONL; the Markdown summary and the PNG plot are written beside it")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="runs of each mode per shape, the modes' order alternating (radix first in even repeats)")
     p.add_argument("--no-plot", action="store_true")
     args = p.parse_args(argv)
     unknown = [s for s in args.shapes.split(",") if s not in SHAPES]
     if unknown:
         p.error(f"unknown shape(s) {', '.join(unknown)}; choose from {', '.join(SHAPES)}")
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
     if args.num_rounds < 2:
         p.error("--num-rounds must be at least 2: the rounds after the first are compared")
     return args
@@ -172,7 +194,8 @@ def main(argv: list[str] | None = None) -> None:
     md = args.output_file.with_suffix(".md")
     report.write_markdown(md, "Never worse than radix: every shape, rounds after the first", command, [
         ("Machine idle before each shape", report.markdown_table(idles, ["shape", "cpu_busy_fraction", "idle"])),
-        ("TokenDance against stock radix (one run per shape)", report.markdown_table(rows, list(rows[0])))])
+        (f"TokenDance against stock radix ({args.repeats} runs of each mode per shape, order alternating)",
+         report.markdown_table(rows, list(rows[0])))])
     print(md.read_text())
 
 
