@@ -18,7 +18,8 @@ import torch
 
 from sglang_tokendance.bench.hf_layerwise import HFLayerwise, full_prefill
 from sglang_tokendance.core.dense_kv import DenseKV
-from sglang_tokendance.core.blend import BlendOptions, ReusedRun, RequestRow, blended_prefill
+from sglang_tokendance.core.blend import (BlendOptions, ReusedRun, RequestRow, blended_prefill, carried_states, probe,
+                                          select)
 from sglang_tokendance.core.rope import RopeSpec, rerotate
 from sglang_tokendance.core.rope_attention import ShiftedReads
 from sglang_tokendance.core.slot_frames import SlotFrames
@@ -244,6 +245,76 @@ def test_a_row_selected_before_its_forward_computes_its_kept_tokens_as_fresh_one
     own = zero_rows[0].own[given]
     torch.testing.assert_close(zero_kv.k[:, own], kv.k[:, rows[0].slots[rows[0].prefix_len:][
         torch.cat([torch.arange(r.start, r.end) for r in rows[0].reused])[given]]], atol=1e-5, rtol=1e-5)
+
+
+def chunk_row(row: RequestRow, lo: int, hi: int, kept: torch.Tensor) -> tuple[RequestRow, torch.Tensor]:
+    """The chunk [lo, hi) of `row`'s extend tokens as a row of its own (its runs clipped, their
+    segment offsets moved on), and its part of `kept` (a mask over the row's reused tokens)."""
+    runs, parts, at = [], [], 0
+    for run in row.reused:
+        start, end = max(run.start, lo), min(run.end, hi)
+        if start < end:
+            runs.append(ReusedRun(start - lo, end - lo, run.segment_offset + start - run.start))
+            parts.append(kept[at + start - run.start:at + end - run.start])
+        at += run.end - run.start
+    part = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.bool)
+    return dataclasses.replace(row, prefix_len=row.prefix_len + lo, num_tokens=hi - lo, reused=runs, kept=part), part
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+@pytest.mark.parametrize("scenario", ["default", "blocks", "unscreened-dense"])
+@torch.no_grad()
+def test_chunks_resuming_the_probes_states_compute_the_unchunked_blended_prefill(arch, scenario):
+    """Planned selection with the probe's states carried over (RequestRow.resumed, the server's
+    chunked prefill): a prompt probed once over its whole extend, then forwarded in chunks whose
+    computed tokens resume after the probe layers, gives the unchunked blended prefill's hidden
+    states, KV and work -- a chunk without reused tokens included, and a chunk batched with
+    rows that probe and select for themselves. Under dense write-back nothing is carried."""
+    model = tiny(arch)
+    ids, positions, rows, pool = batch(model)
+    options, rule = SCENARIOS[scenario]
+    rule = rule_named(rule)
+    row, n = rows[0], rows[0].num_tokens
+    whole = pool.clone()
+    want, want_stats = blended_prefill(model, whole, ids[:n], positions[:n], [row], options, rule)
+
+    scratch = pool.clone()
+    checked = probe(model, scratch, ids[:n], positions[:n], [row], rule, options)
+    kept = select(checked, rule, options)
+    states = carried_states(checked, kept, scratch, options)
+    if not options.sparse_writeback:
+        assert states is None
+        return
+    assert torch.equal(kept, want_stats.kept) and len(states) == n - int((~kept).sum())
+    kv, got, work = pool.clone(), [], checked.batch.stats.token_layers
+    others = slice(n, None)
+    for lo, hi in ((0, 3), (3, 14), (14, 26), (26, n)):  # (0, 3): no reused token
+        part_row, part = chunk_row(row, lo, hi, kept)
+        part_row.resumed = states.within(row.prefix_len + lo, row.prefix_len + hi)
+        batch_rows, chunk_ids, chunk_positions = [part_row], ids[lo:hi], positions[lo:hi]
+        if lo == 14:  # batched with rows that probe for themselves
+            batch_rows += rows[1:]
+            chunk_ids, chunk_positions = torch.cat([chunk_ids, ids[others]]), torch.cat([chunk_positions,
+                                                                                          positions[others]])
+        hidden, stats = blended_prefill(model, kv, chunk_ids, chunk_positions, batch_rows, options, rule)
+        assert torch.equal(stats.kept[:part.numel()], part)
+        got.append(hidden[:hi - lo])
+        if lo == 14:
+            alone, alone_stats = blended_prefill(model, pool.clone(), ids[others], positions[others], rows[1:],
+                                                 options, rule)
+            torch.testing.assert_close(hidden[hi - lo:], alone, atol=1e-5, rtol=1e-5)
+            work += stats.token_layers - alone_stats.token_layers
+        else:
+            work += stats.token_layers
+    torch.testing.assert_close(torch.cat(got), want, atol=1e-5, rtol=1e-5)
+    slots = row.slots[:row.prefix_len + n]
+    torch.testing.assert_close(kv.k[:, slots], whole.k[:, slots], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kv.v[:, slots], whole.v[:, slots], atol=1e-5, rtol=1e-5)
+    assert work == want_stats.token_layers  # the probe layers ran once for every token
+    early = states.within(row.prefix_len, row.prefix_len + 3)
+    wrong = dataclasses.replace(chunk_row(row, 3, 14, kept)[0], resumed=early)
+    with pytest.raises(ValueError, match="do not match"):
+        blended_prefill(model, pool.clone(), ids[3:14], positions[3:14], [wrong], options, rule)
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--write"]:

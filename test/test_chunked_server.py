@@ -31,6 +31,10 @@ def block(i: int, words: int = 140) -> str:
 BLOCKS = [block(i) for i in range(4)]
 AUTHOR = SEP.join(["You are Mira, the baker of Oakvale. " * 6, *BLOCKS, " Mira says:"])
 READER = SEP.join(["You are Oskar, the carpenter, who lives by the river. " * 3, *BLOCKS[::-1], " Oskar says:"])
+# the same reader with chunks after its last block that read no Master
+LONG_TAIL_READER = SEP.join(["You are Oskar, the carpenter, who lives by the river. " * 3, *BLOCKS[::-1],
+                             " Oskar thinks about the orchard, the meadow and the forge before he answers." * 6
+                             + " Oskar says:"])
 
 
 def post(url: str, text: str, salt: str | None = None, max_new_tokens: int = 8, **extra) -> dict:
@@ -147,3 +151,32 @@ def test_ratio_one_in_chunks_equals_sglangs_own_chunked_prefill(full_ratio_serve
     assert blended["output_ids"] == reference["output_ids"]
     logprobs = lambda out: [e[0] for e in out["meta_info"]["output_token_logprobs"]]  # noqa: E731
     assert logprobs(blended) == pytest.approx(logprobs(reference), abs=2e-3)
+
+
+@pytest.fixture(scope="module")
+def chunked_and_whole(tiny_llama):
+    """Two servers that differ only in chunking; blending every matched block (no cost check) so
+    both read the same Masters."""
+    argv = ["--model-path", tiny_llama, "--no-tokendance-exact-recurrence", "--tokendance-check-layer", "2",
+            "--no-tokendance-cost-check"]
+    with ServerProcess([*argv, *CHUNK]) as chunked, ServerProcess(argv) as whole:
+        yield chunked.url, whole.url
+
+
+def test_planned_chunks_answer_as_the_unchunked_prefill(chunked_and_whole):
+    """The chunks resume the planning probe's states (core/blend RequestRow.resumed): the same
+    tokens recomputed and the same answer as one forward of the whole prompt, to float rounding,
+    the chunks that read no Master included (SGLang's own forward would compute them again from
+    the first layer over the approximate KV)."""
+    outs = []
+    for url in chunked_and_whole:
+        requests.post(url + "/flush_cache", timeout=60)
+        post(url, AUTHOR, max_new_tokens=2)
+        outs.append(post(url, LONG_TAIL_READER, max_new_tokens=12, return_logprob=True))
+    chunked, whole = ({k: out["meta_info"]["tokendance"][k] for k in ("reused_tokens", "recomputed_tokens")}
+                      for out in outs)
+    assert chunked == whole and whole["reused_tokens"] > 0
+    assert outs[0]["meta_info"]["tokendance"]["planned_tokens"] > 0
+    assert outs[0]["output_ids"] == outs[1]["output_ids"]
+    logprobs = lambda out: [e[0] for e in out["meta_info"]["output_token_logprobs"]]  # noqa: E731
+    assert logprobs(outs[0]) == pytest.approx(logprobs(outs[1]), abs=1e-3)

@@ -57,19 +57,6 @@ def test_blending_pays_where_the_saving_outweighs_the_mass_and_never_at_ratio_on
     assert cost.blended(0, 1000, 600, max_approximate=100) > cost.blended(0, 1000, 600)
 
 
-def test_planned_selection_pays_for_the_probe_layers_run_again_in_the_chunks():
-    """Planned selection (srt/prompt_selection) probes the whole rest of a prompt, then each chunk
-    runs its fresh and kept tokens through every layer: the probe layers twice for them."""
-    options = BlendOptions(recompute_ratio=0.3, check_layer=8, screen_layer=1)
-    cost = PrefillCost(30, options, attention_mass=False)
-    for tokens, reused in ((1000, 600), (1000, 100), (3000, 400)):
-        again = 9 * (tokens - reused + round(0.3 * reused))
-        assert cost.planned(0, tokens, reused) == pytest.approx(cost.blended(0, tokens, reused) + again)
-        assert cost.plan_pays(0, tokens, reused) == (cost.planned(0, tokens, reused) < cost.stock(0, tokens))
-    assert cost.plan_pays(0, 1000, 600) and not cost.plan_pays(0, 1000, 0)
-    assert cost.pays(0, 1000, 100) and not cost.plan_pays(0, 1000, 100)  # blending pays; planning it would not
-
-
 def test_torch_natives_prefix_queries_make_sglangs_later_chunks_dearer():
     options = BlendOptions(recompute_ratio=0.3, check_layer=5, screen_layer=1)
     flash = PrefillCost(30, options, attention_mass=True)

@@ -134,14 +134,25 @@ def test_the_first_chunk_chooses_what_the_unchunked_prefill_chooses(model, mirro
     assert needs_selection(dataclasses.replace(plan, max_approximate=10), BlendOptions(recompute_ratio=0.0))
     assert not needs_selection(plan, dataclasses.replace(OPTIONS, group_selection="aligned"))
     selection = select_prompt(plan, setup.table, setup.storage, model, setup.pool_kv, setup.row, OPTIONS,
-                              rule_named("attention-kv"), None)
+                              rule_named("attention-kv"))
     want, positions = setup.unchunked_choice(model)
     assert torch.equal(selection.reused.nonzero().squeeze(1) + PREFIX, positions)
     assert torch.equal(selection.kept_at(positions), want)
     assert int(want.sum()) == round(0.3 * positions.numel()) and 0 < int(want[:plan.reused_tokens].sum())
-    never = SimpleNamespace(plan_pays=lambda *args: False)
-    assert select_prompt(plan, setup.table, setup.storage, model, setup.pool_kv, setup.row, OPTIONS,
-                         rule_named("attention-kv"), never) is None  # each chunk then weighs its own
+    # the probe's states of every position it computes (fresh and kept), for the chunks to resume
+    computed = (~selection.reused | selection.kept).nonzero().squeeze(1) + PREFIX
+    assert torch.equal(selection.states.positions, computed)
+    assert len(selection.states.keys) == OPTIONS.check_layer + 1
+    assert selection.states.hidden.shape == (computed.numel(), model.lm.config.hidden_size)
+
+    # the chunk that will choose for the rest weighs blending the whole rest, as an unchunked prefill would
+    weighed = []
+    cost = SimpleNamespace(options=OPTIONS, pays=lambda *args: weighed.append(args[:3]) or False)
+    fresh = Setup(model, mirror)
+    ahead = fresh.state.plan_chunk(fresh.table, PREFIX, PREFIX + CHUNK, cost=cost, plan_ahead=True)
+    per_chunk = fresh.state.plan_chunk(fresh.table, PREFIX, PREFIX + CHUNK, cost=cost)
+    assert weighed == [(PREFIX, PROMPT_LEN - PREFIX, positions.numel()), (PREFIX, CHUNK, plan.reused_tokens)]
+    assert not ahead.runs and not per_chunk.runs and ahead.fell_back == plan.reused_tokens  # SGLang's path
 
 
 @torch.no_grad()
@@ -149,11 +160,13 @@ def test_later_chunks_read_what_the_choice_covered_and_recompute_their_part(mode
     setup = Setup(model, mirror=False)
     first = setup.state.plan_chunk(setup.table, PREFIX, PREFIX + CHUNK)
     selection = select_prompt(first, setup.table, setup.storage, model, setup.pool_kv, setup.row, OPTIONS,
-                              rule_named("attention-kv"), None)
+                              rule_named("attention-kv"))
     setup.state.selection = selection
     assert not needs_selection(first, OPTIONS)  # chosen once
     row = first.request_row(torch.arange(PREFIX + CHUNK))
     assert torch.equal(row.kept, selection.kept_at(first.positions(torch.device("cpu"))))
+    computed = (~selection.reused[:CHUNK] | selection.kept[:CHUNK]).nonzero().squeeze(1) + PREFIX
+    assert torch.equal(row.resumed.positions, computed)  # the chunk resumes its computed tokens' probe states
     setup.state.record_recomputed(first, int(row.kept.sum()), first.reused_tokens)
     # as if "c" had missed when the choice was made (cached since): not covered, so computed
     uncovered = selection.reused.clone()
@@ -162,9 +175,16 @@ def test_later_chunks_read_what_the_choice_covered_and_recompute_their_part(mode
     never = SimpleNamespace(pays=lambda *args: False)  # a planned chunk is not weighed again
     second = setup.state.plan_chunk(setup.table, PREFIX + CHUNK, PROMPT_LEN, cost=never)
     assert second.selected and [(r.start, r.end) for r in second.runs] == [(28, 34), (40, 70)]
-    kept = second.request_row(torch.arange(PROMPT_LEN)).kept
+    second_row = second.request_row(torch.arange(PROMPT_LEN))
+    kept = second_row.kept
     assert torch.equal(kept, selection.kept_at(second.positions(torch.device("cpu"))))
+    assert second_row.resumed is None  # it computes "c" in full, which the probe did not: no states to resume
     setup.state.record_recomputed(second, int(kept.sum()), second.reused_tokens)
+    assert setup.state.selection.states is None  # the prompt's last chunk ran: its states are spent
     counts = setup.state.counts
     assert counts.planned_tokens == first.reused_tokens + second.reused_tokens == 24 + 30
     assert counts.recomputed_tokens == int(row.kept.sum()) + int(kept.sum())
+    setup.state.selection = selection  # as planned: the chunk reads "c" too and resumes its computed tokens
+    as_planned = setup.state.plan_chunk(setup.table, PREFIX + CHUNK, PROMPT_LEN, cost=never)
+    assert torch.equal(as_planned.request_row(torch.arange(PROMPT_LEN)).resumed.positions,
+                       (~selection.reused[CHUNK:] | selection.kept[CHUNK:]).nonzero().squeeze(1) + PREFIX + CHUNK)

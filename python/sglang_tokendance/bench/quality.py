@@ -43,8 +43,8 @@ from tqdm import tqdm
 from sglang_tokendance.bench.hf_layerwise import HFLayerwise
 from sglang_tokendance.core.dense_kv import DenseKV
 from sglang_tokendance.bench.workloads import Simulation, make_simulation, message_block, preset_config
-from sglang_tokendance.core.blend import (BlendOptions, BlendStats, RequestRow, ReusedRun, blended_prefill, finish,
-                                          probe, select)
+from sglang_tokendance.core.blend import (BlendOptions, BlendStats, ProbeStates, RequestRow, ReusedRun,
+                                          blended_prefill, carried_states, finish, probe, select)
 from sglang_tokendance.core.plan import plan_chunk
 from sglang_tokendance.core.rope import RopeSpec, rotate, unrotate
 from sglang_tokendance.core.segments import DEFAULT_SEPARATOR, Segmenter, SegmentedPrompt, segment_hash
@@ -337,45 +337,54 @@ class QualityRunner:
                     room: int, chunk: int) -> tuple[torch.Tensor, DenseKV, BlendStats]:
         """`run_setting` (not FULL) with the prompt prefilled in chunks of `chunk` tokens, as
         SGLang's chunked prefill forwards it: each chunk planned as the server plans it and
-        blended over the KV the chunks before it left. Stats are summed over the chunks."""
+        blended over the KV the chunks before it left. Stats are summed over the chunks, the
+        planning probe's work included."""
         kv, ids = self.new_kv(room), prompt.input_ids
         store.place(prompt, kv)  # every chunk's restore at once: the rotated KV at a position is the same
         rule = None if setting.rule == PLAIN else rule_named(setting.rule)
-        total = BlendStats()  # a prompt of one chunk plans nothing (srt/prompt_selection.needs_selection)
-        plan = self.planned_selection(prompt, store, setting, options, room) if chunk < len(ids) else None
+        total, plan, states = BlendStats(), None, None
         for start in range(0, len(ids), chunk):
             end = min(len(ids), start + chunk)
             runs = store.chunk_runs(prompt, start, end)
+            if plan is None and runs and end < len(ids):  # the first chunk that reads, not the last (the server's)
+                plan, states = self.planned_selection(prompt, store, setting, options, kv, start)
+                total = replace(total, token_layers=total.token_layers + (plan.token_layers if plan else 0))
             left = None if setting.budget is None else max(0, setting.budget - total.reused_tokens + total.kept_tokens)
-            # under a planned selection the chunk recomputes its part of it, unprobed, as the server does
-            part = None if plan is None or not runs else \
+            # under a planned selection the chunk recomputes its part of it, resuming the probe's states
+            part = None if plan is None else \
                 plan.kept[total.reused_tokens:total.reused_tokens + sum(r.end - r.start for r in runs)]
-            row = RequestRow(start, end - start, torch.arange(end), reused=runs, max_approximate=left, kept=part)
+            resumed = None if states is None else states.within(start, end)
+            row = RequestRow(start, end - start, torch.arange(end), reused=runs, max_approximate=left, kept=part,
+                             resumed=resumed)
+            blend = setting.options(options) if runs or resumed is not None else BlendOptions()
             hidden, stats = blended_prefill(self.model, kv, torch.tensor(ids[start:end]), torch.arange(start, end),
-                                            [row], setting.options(options) if runs else BlendOptions(), rule)
+                                            [row], blend, rule)
             total = BlendStats(total.token_layers + stats.token_layers,
                                total.full_token_layers + stats.full_token_layers,
                                total.reused_tokens + stats.reused_tokens, total.kept_tokens + stats.kept_tokens)
-        if plan is not None:  # the planning probe is work too
-            total = replace(total, token_layers=total.token_layers + plan.token_layers)
         return self.model.logits(hidden[-1]), kv, total
 
     def planned_selection(self, prompt: SegmentedPrompt, store: SegmentStore, setting: Setting,
-                          options: BlendOptions, room: int) -> BlendStats | None:
-        """For a `planned` setting, the whole prompt's selection made before its first chunk:
-        the kept mask of the blended prefill of the whole prompt at `setting` (its `kept`, in the
-        order of the prompt's reused tokens), with the work of the probe that chose it
-        (token_layers: every token through the probe layers, or the screen's share of the reused
-        ones past the screen layer). None: the chunks select each for itself."""
+                          options: BlendOptions, kv: DenseKV, start: int
+                          ) -> tuple[BlendStats | None, ProbeStates | None]:
+        """For a `planned` setting, the selection of the prompt from `start` on, made before the
+        chunk at `start` (the first that reads) over the KV the chunks before it left (`kv`,
+        not written): the kept mask of the blended prefill of the rest at `setting` (its `kept`,
+        in the order of its reused tokens), with the work of the probe that chose it
+        (token_layers), and the probe's states that the chunks' computed tokens resume (core/blend
+        `carried_states`), as the server's srt/prompt_selection makes it. None: the chunks
+        select each for itself."""
         if not setting.planned or setting.rule == PLAIN:
-            return None
-        kv, ids = self.new_kv(room), prompt.input_ids
-        row = RequestRow(0, len(ids), torch.arange(len(ids)), reused=store.place(prompt, kv))
+            return None, None
+        ids, scratch = prompt.input_ids, kv.clone()
+        row = RequestRow(start, len(ids) - start, torch.arange(len(ids)),
+                         reused=store.chunk_runs(prompt, start, len(ids)))
         blend_options = setting.options(options)
-        checked = probe(self.model, kv, torch.tensor(ids), torch.arange(len(ids)), [row], rule_named(setting.rule),
-                        blend_options)
+        checked = probe(self.model, scratch, torch.tensor(ids[start:]), torch.arange(start, len(ids)), [row],
+                        rule_named(setting.rule), blend_options)
         kept = select(checked, rule_named(setting.rule), blend_options)
-        return BlendStats(token_layers=checked.batch.stats.token_layers, kept=kept)
+        stats = BlendStats(token_layers=checked.batch.stats.token_layers, kept=kept)
+        return stats, carried_states(checked, kept, scratch, blend_options)
 
 
 CONTENT_ENTROPY = 1.0  # nats: a decode step where the full model is this unsure is a content step

@@ -31,7 +31,11 @@ cached KV: they have no probe KV to write.)
 A row whose selection was made before its forward (RequestRow.kept: under chunked prefill the
 server selects over the whole prompt at its first chunk, srt/prompt_selection.py) is not
 probed: its kept tokens are computed with the fresh ones through every layer (in their own
-slots), the rest keep their cached KV.
+slots), the rest keep their cached KV. Where that earlier probe's states are carried in as well
+(RequestRow.resumed, core/blend `carried_states`: the computed tokens' hidden states after the
+check layer and their KV of the probe layers), those tokens skip layers 0..c -- their KV there
+is written as the probe computed it -- and resume at c+1: the forward the unchunked prompt
+would have run, at its work.
 r = 1 is a full prefill (run as one: every token is kept whatever the scores); r = 0
 recomputes nothing, not even the probe: only fresh tokens run, attending to the cached KV at
 every layer.
@@ -123,6 +127,12 @@ class BlendOptions:
     def screened(self) -> bool:
         return 1 <= self.screen_layer < self.check_layer
 
+    def chooses_per_request(self, max_approximate: int | None = None) -> bool:
+        """Whether each request chooses its own kept tokens: the ratio (or a fidelity budget)
+        leaves a choice, and no round group chooses together."""
+        return ((self.recompute_ratio > 0 or max_approximate is not None) and not self.keeps_everything
+                and self.group_selection == "per-request")
+
     @property
     def keeps_everything(self) -> bool:
         """Ratio 1 keeps every reused token whatever the scores (unless a screen passes fewer):
@@ -146,6 +156,28 @@ class ReusedRun(NamedTuple):
     segment: Hashable | None = None
 
 
+@dataclass(frozen=True)
+class ProbeStates:
+    """Computed tokens' states after the probe layers 0..c, for a later forward to resume them
+    at layer c+1: their row `positions` (host, ascending), their hidden states entering layer
+    c+1 ([n, hidden]) and their KV of layers 0..c (per layer [n, kv_heads, d], K rotated at
+    each token's position)."""
+
+    positions: torch.Tensor
+    hidden: torch.Tensor
+    keys: tuple[torch.Tensor, ...]
+    values: tuple[torch.Tensor, ...]
+
+    def __len__(self) -> int:
+        return self.positions.numel()
+
+    def within(self, start: int, end: int) -> "ProbeStates":
+        """The states of the tokens at positions [start, end) (views)."""
+        lo, hi = (int(i) for i in torch.searchsorted(self.positions, torch.tensor([start, end])))
+        return ProbeStates(self.positions[lo:hi], self.hidden[lo:hi], tuple(k[lo:hi] for k in self.keys),
+                           tuple(v[lo:hi] for v in self.values))
+
+
 @dataclass
 class RequestRow:
     """One request of the batch: its `num_tokens` extend tokens follow `prefix_len` tokens
@@ -163,7 +195,9 @@ class RequestRow:
 
     `kept` (a mask over its reused tokens, run order): the selection was made before this
     forward. None of its reused tokens is probed or scored; the kept ones are computed with
-    the fresh tokens, the others keep their cached KV, whatever the recompute ratio."""
+    the fresh tokens, the others keep their cached KV, whatever the recompute ratio.
+    `resumed` (with `kept`): the states that earlier probe left for exactly the row's computed
+    tokens (fresh and kept, `ProbeStates`): they skip the probe layers and resume after them."""
 
     prefix_len: int
     num_tokens: int
@@ -173,6 +207,7 @@ class RequestRow:
     own: torch.Tensor | None = None
     max_approximate: int | None = None
     kept: torch.Tensor | None = None
+    resumed: ProbeStates | None = None
 
 
 @dataclass
@@ -199,6 +234,11 @@ def blended_prefill(model: LayerwiseModel, kv: KVStore, ids: torch.Tensor, posit
         computed, stats = batch.tokens(batch.preselected), batch.stats
         if batch.selected_before:
             stats = dataclasses.replace(stats, kept=batch.preselected, kept_tokens=int(batch.preselected.sum()))
+        if batch.resumed.any():  # the others run the probe layers first, then all go on together
+            rows = (computed & ~batch.resumed).nonzero().squeeze(1)
+            stats.token_layers += rows.numel() * (options.check_layer + 1)
+            return _resume(model, kv, batch, rows, _catch_up(model, kv, batch, rows, options.check_layer), computed,
+                           options.check_layer, stats)
         return _run_layers(model, kv, batch, model.embed(ids[computed]), computed, 0, stats)
     if rule is None:
         raise ValueError("a recompute ratio above 0 needs a selection rule")
@@ -253,8 +293,8 @@ def probe(model: LayerwiseModel, kv: KVStore, ids: torch.Tensor, positions: torc
     if batch.own_locs is not None and not options.sparse_writeback:
         raise ValueError("dense write-back would write the probe's KV into shared Master slots: "
                          "zero-copy reuse needs sparse write-back")
-    if batch.unprobed.any():
-        rows = batch.tokens(~batch.unprobed | batch.preselected).nonzero().squeeze(1)
+    if batch.unprobed.any() or batch.resumed.any():
+        rows = (batch.tokens(~batch.unprobed | batch.preselected) & ~batch.resumed).nonzero().squeeze(1)
         checked = Probe(batch, c, rows, model.embed(ids[rows]), CheckState(), ~batch.unprobed)
     else:
         checked = Probe(batch, c, torch.arange(ids.shape[0], device=ids.device), model.embed(ids), CheckState(),
@@ -348,22 +388,71 @@ def finish(model: LayerwiseModel, kv: KVStore, checked: Probe, kept: torch.Tenso
     if caught.numel():
         rows, hidden = torch.cat([rows, caught]), torch.cat([hidden, _catch_up(model, kv, batch, caught, c)])
         token_layers += caught.numel() * (c + 1)
-    where = torch.full((computed.numel(),), -1, dtype=torch.int64, device=computed.device)
-    where[rows] = torch.arange(rows.numel(), device=computed.device)
     stats = dataclasses.replace(batch.stats, kept=kept, kept_tokens=int(kept.sum()), token_layers=token_layers,
                                 adopted=batch.adopted, adopted_tokens=int(batch.adopted.sum()))
-    return _run_layers(model, kv, batch, hidden[where[computed]], computed, c + 1, stats)
+    return _resume(model, kv, batch, rows, hidden, computed, c, stats)
+
+
+def _resume(model, kv, batch: "_Batch", rows: torch.Tensor, hidden: torch.Tensor, computed: torch.Tensor,
+            check_layer: int, stats: BlendStats) -> tuple[torch.Tensor, BlendStats]:
+    """Layers c+1..L-1 on the computed tokens: the batch tokens `rows` with their `hidden`
+    states after layer c, and the tokens whose probe states were carried in (their KV of
+    layers 0..c written first)."""
+    carried = batch.resumed.nonzero().squeeze(1)
+    if carried.numel():
+        states = [r.resumed for r in batch.requests if r.resumed is not None]
+        locs = batch.locs[carried]
+        for layer in range(check_layer + 1):
+            kv.write(layer, locs, torch.cat([s.keys[layer] for s in states]),
+                     torch.cat([s.values[layer] for s in states]))
+        rows, hidden = torch.cat([rows, carried]), torch.cat([hidden, *(s.hidden for s in states)])
+    where = torch.full((computed.numel(),), -1, dtype=torch.int64, device=computed.device)
+    where[rows] = torch.arange(rows.numel(), device=computed.device)
+    return _run_layers(model, kv, batch, hidden[where[computed]], computed, check_layer + 1, stats)
 
 
 def _catch_up(model, kv, batch: "_Batch", rows: torch.Tensor, check_layer: int) -> torch.Tensor:
-    """Layers 0..c on the batch tokens `rows` (kept tokens that skipped the probe, one stage,
-    KV written): their hidden states for the layers after the check. They read the KV the
-    probe and its write-back left: the kept tokens' recomputed KV, the others' cached KV."""
-    stage = _Stage(model, batch, rows)
+    """Layers 0..c on the batch tokens `rows` (one stage, KV written; kept tokens that skipped
+    the probe, or the tokens of rows that resume carried states' neighbours in the batch):
+    their hidden states for the layers after the check. They read the KV the probe and its
+    write-back left: the kept tokens' recomputed KV, the others' cached KV."""
     hidden = model.embed(batch.ids[rows])
+    if not rows.numel():
+        return hidden
+    stage = _Stage(model, batch, rows)
     for layer in range(check_layer + 1):
         hidden, _, _ = _layer(model, kv, stage, layer, hidden)
     return hidden
+
+
+def carried_states(checked: Probe, kept: torch.Tensor, kv: KVStore, options: BlendOptions) -> ProbeStates | None:
+    """The states the probe `checked` (of one request) leaves for its computed tokens under the
+    selection `kept` (fresh and kept ones, in position order), for a later forward to resume:
+    the fresh tokens' KV as the probe wrote it into `kv`, the kept ones' as it recomputed it.
+    None under dense write-back, where the probe's KV of the tokens not kept is written too."""
+    if not options.sparse_writeback:
+        return None
+    batch = checked.batch
+    if len(batch.requests) != 1:
+        raise ValueError(f"carried states are one request's, the probe held {len(batch.requests)}")
+    rows = batch.tokens(kept).nonzero().squeeze(1)
+    where = torch.full((batch.ids.shape[0],), -1, dtype=torch.int64, device=rows.device)
+    where[checked.rows] = torch.arange(checked.rows.numel(), device=rows.device)
+    if bool((where[rows] < 0).any()):
+        raise ValueError("a computed token was not probed (adopted, or selected before the probe): nothing to carry")
+    fresh = ~batch.reused[rows]
+    mine = kept[checked.tracked]
+
+    def layer_kv(cached: torch.Tensor, computed: torch.Tensor) -> torch.Tensor:
+        out = cached.new_empty(rows.numel(), *cached.shape[1:])
+        out[fresh] = cached[batch.locs[rows[fresh]]]
+        out[~fresh] = computed[mine]
+        return out
+
+    state, layers = checked.state, range(checked.check_layer + 1)
+    return ProbeStates(batch.positions[rows].cpu(), checked.hidden[where[rows]],
+                       tuple(layer_kv(kv.keys(layer), state.computed_k[layer]) for layer in layers),
+                       tuple(layer_kv(kv.values(layer), state.computed_v[layer]) for layer in layers))
 
 
 def _run_layers(model, kv, batch: "_Batch", hidden, computed: torch.Tensor, first_layer: int,
@@ -470,6 +559,27 @@ class _Batch:
                                           for n, r in zip(sizes, self.requests)])
             if self.own_locs is not None:
                 self._move_to_own(self.preselected)
+        self.resumed = self._resumed()  # batch tokens whose probe states were carried in
+
+    def _resumed(self) -> torch.Tensor:
+        """The mask of batch tokens that resume carried probe states (RequestRow.resumed): each
+        such row's computed tokens, which must be exactly the states' positions."""
+        resumed = torch.zeros_like(self.reused)
+        if all(r.resumed is None for r in self.requests):
+            return resumed
+        computed = self.tokens(self.preselected)
+        for first, r in zip(self.starts, self.requests):
+            if r.resumed is None:
+                continue
+            if r.kept is None:
+                raise ValueError("carried probe states need the row's selection made before the forward (kept)")
+            mine = computed[first:first + r.num_tokens]
+            positions = self.positions[first:first + r.num_tokens][mine].cpu()
+            if not torch.equal(positions, r.resumed.positions):
+                raise ValueError(f"carried probe states of {len(r.resumed)} tokens do not match the row's "
+                                 f"{positions.numel()} computed tokens")
+            resumed[first:first + r.num_tokens] = mine
+        return resumed
 
     def tokens(self, reused: torch.Tensor, fresh: bool = True) -> torch.Tensor:
         """A mask over the batch tokens: the reused ones `reused` (a mask over them) and, with

@@ -83,19 +83,6 @@ class PrefillCost:
         """Whether blending the chunk is estimated cheaper than SGLang's own forward of it."""
         return reused > 0 and self.blended(prefix, tokens, reused, max_approximate) < self.stock(prefix, tokens)
 
-    def planned(self, prefix: int, tokens: int, reused: int, max_approximate: int | None = None) -> float:
-        """The rest of a chunked prompt under planned selection (srt/prompt_selection): the
-        blended prefill's work over all of it, plus the probe layers run again, in the chunks,
-        on its fresh and kept tokens (their probe states are not carried over)."""
-        share = kept_share(self.options.recompute_ratio, reused, max_approximate)
-        again = (self.options.check_layer + 1) * (tokens - reused + round(share * reused))
-        return self.blended(prefix, tokens, reused, max_approximate) + again
-
-    def plan_pays(self, prefix: int, tokens: int, reused: int, max_approximate: int | None = None) -> bool:
-        """Whether planned selection over the rest of a prompt is estimated cheaper than SGLang's
-        own forward of it."""
-        return reused > 0 and self.planned(prefix, tokens, reused, max_approximate) < self.stock(prefix, tokens)
-
     def stages(self, tokens: int, reused: int, max_approximate: int | None = None, kept: int | None = None,
                adopted: int = 0) -> list[Stage]:
         """The blended prefill's stages for one chunk (core/blend `blended_prefill`). After a

@@ -23,6 +23,7 @@ from typing import Callable, Generic, Sequence, TypeVar
 
 import torch
 
+from sglang_tokendance.core.blend import ProbeStates
 from sglang_tokendance.core.segments import SegmentSpan
 
 Master = TypeVar("Master")
@@ -87,6 +88,7 @@ class PromptSelection:
     start: int
     reused: torch.Tensor
     kept: torch.Tensor
+    states: ProbeStates | None = None  # the probe's states of the computed positions, for the chunks to resume
 
     def covers(self, run: PlannedRun) -> bool:
         """Whether every position of `run` was planned as reused."""
@@ -97,11 +99,22 @@ class PromptSelection:
         """The kept mask of `positions` (planned reused positions), on their device."""
         return self.kept[positions.cpu() - self.start].to(positions.device)
 
+    def states_for(self, computed: torch.Tensor) -> ProbeStates | None:
+        """The carried probe states of a chunk that computes the positions `computed` (host,
+        ascending), where they are exactly the positions planned to be computed in its span
+        (fresh and kept); None otherwise (a Master evicted since the plan: its run is computed
+        in full, from the first layer) or where no states were kept."""
+        if self.states is None or not computed.numel():
+            return None
+        states = self.states.within(int(computed[0]), int(computed[-1]) + 1)
+        return states if torch.equal(computed, states.positions) else None
+
     @classmethod
-    def of(cls, start: int, end: int, runs: Sequence[PlannedRun], kept: torch.Tensor) -> "PromptSelection":
+    def of(cls, start: int, end: int, runs: Sequence[PlannedRun], kept: torch.Tensor,
+           states: ProbeStates | None = None) -> "PromptSelection":
         """The selection of positions [start, end) whose reused `runs` (in order) kept `kept`
-        (a mask over the runs' tokens)."""
+        (a mask over the runs' tokens), with the probe's `states` of the positions computed."""
         reused, chosen = torch.zeros(end - start, dtype=torch.bool), torch.zeros(end - start, dtype=torch.bool)
         at = torch.cat([torch.arange(run.start, run.end) for run in runs]) - start
         reused[at], chosen[at] = True, kept.cpu()
-        return cls(start, reused, chosen)
+        return cls(start, reused, chosen, states)

@@ -213,11 +213,11 @@ class SegmentForest(KeptMirrors):
             if state is None:
                 continue
             plan = state.plan_chunk(self.segments, req.prefix_len, req.extend_end, self.group_of(req), self.cost,
-                                    self.max_approximate)
+                                    self.max_approximate, self.planned_selection)
             self.metrics.count_restore(plan.hits, plan.misses)
             if plan.fell_back:
                 self.metrics.count_fallback(plan.fell_back)
-            if plan.runs:
+            if plan.forwards:
                 plans.append((req, plan))
         self.wanted = {id(run.master) for _, plan in plans for run in plan.runs}
         try:
@@ -226,7 +226,7 @@ class SegmentForest(KeptMirrors):
             self.wanted = set()
         for req, plan in plans:
             plan.request.drop_evicted(plan, self.segments)
-            if plan.runs:
+            if plan.forwards:
                 plan.pool_index = req.kv.req_pool_idx
                 self.planned[plan.pool_index] = plan
         self.storage.read_in(list(self.planned.values()), copying=not self.blend.keeps_everything)
@@ -277,10 +277,8 @@ class SegmentForest(KeptMirrors):
         for plan in plans if self.planned_selection else ():
             if needs_selection(plan, self.blend):
                 row = self.req_to_token_pool.req_to_token[plan.pool_index]
-                selection = select_prompt(plan, self.segments, self.storage, layers, pool, row, self.blend,
-                                          self.rule, self.cost)
-                if selection is not None:
-                    plan.request.selection = selection
+                plan.request.selection = select_prompt(plan, self.segments, self.storage, layers, pool, row,
+                                                       self.blend, self.rule)
 
     def settle(self, plans: list[ChunkPlan], kept: torch.Tensor | None, adopted: torch.Tensor | None) -> None:
         """After the blended prefill of `plans` (the batch's reusing requests, in batch order):

@@ -9,24 +9,29 @@ reads Masters and is not the prompt's last also probes the rest of the prompt: l
 over scratch KV (core/dense_kv, the probe layers only) holding the radix prefix and every
 Master run at the reader's positions, the fresh tokens computed there -- the probe an
 unchunked prefill would run. Its choice becomes the request's `PromptSelection`
-(srt/reuse.RequestReuse.selection); every chunk, this one included, then computes its kept
-tokens with its fresh ones and no probe (core/blend RequestRow.kept), reads only the runs the
-choice covered, and skips the per-chunk cost check (the whole prompt's was weighed here, with
-core/cost `plan_pays`; where planning would not pay, each chunk selects its own).
+(srt/reuse.RequestReuse.selection), with the probe's states of the tokens it computed (fresh
+and kept: their hidden states after layer c and their KV of layers 0..c, core/blend
+`carried_states`). Every chunk, this one included, then writes its computed tokens' probe KV and
+runs them on from layer c+1 (core/blend RequestRow.resumed): no probe, no layer computed twice,
+the unchunked prefill's answer and work; a chunk that reads no Master is forwarded the same
+way. The chunk reads only the runs the choice covered. Whether blending pays was weighed for
+the whole rest of the prompt when its first reading chunk was planned, as an unchunked prefill
+weighs it (srt/reuse `RequestReuse.plan_chunk`), and is not weighed again.
 
-The price: the fresh and kept tokens run the probe layers twice (measured +0.15-0.2 of a full
-prefill's work on SmolLM2 at check layer 8), and the first chunk's forward carries the whole
-prompt's probe. Carrying the probe's states over to the later chunks would remove both (not
-built). A Master superseded or evicted between chunks changes what a chunk reads (or makes it
-compute those tokens), not which tokens were chosen.
+A Master evicted between chunks makes its run computed in full, from the first layer (the
+chunk's computed tokens are then not the planned ones: nothing is resumed there); a Master
+superseded between chunks changes what a chunk reads at layers above c, not which tokens were
+chosen. Under dense write-back (`--no-tokendance-sparse-writeback`) nothing is carried: the
+chunks compute their kept and fresh tokens from the first layer. The request holds the states
+until its prompt's last chunk has run: hidden size plus (c+1) layers of K and V per computed
+token, outside SGLang's KV pool.
 """
 
 from __future__ import annotations
 
 import torch
 
-from sglang_tokendance.core.blend import BlendOptions, RequestRow, ReusedRun, probe, select
-from sglang_tokendance.core.cost import PrefillCost
+from sglang_tokendance.core.blend import BlendOptions, RequestRow, ReusedRun, carried_states, probe, select
 from sglang_tokendance.core.dense_kv import DenseKV
 from sglang_tokendance.core.plan import PromptSelection
 from sglang_tokendance.core.segment_table import SegmentTable
@@ -42,25 +47,20 @@ def needs_selection(plan: ChunkPlan, options: BlendOptions) -> bool:
     choice to make, per request (a round group's aligned selection chooses with the group,
     chunk by chunk)."""
     prompt_len = len(plan.request.req.origin_input_ids)
-    chooses = (options.recompute_ratio > 0 or plan.max_approximate is not None) and not options.keeps_everything
-    return (chooses and plan.request.selection is None and bool(plan.runs)
-            and plan.prefix_len + plan.extend_len < prompt_len and options.group_selection == "per-request")
+    return (options.chooses_per_request(plan.max_approximate) and plan.request.selection is None
+            and bool(plan.runs) and plan.prefix_len + plan.extend_len < prompt_len)
 
 
 @torch.no_grad()
 def select_prompt(plan: ChunkPlan, table: SegmentTable, storage: MasterStorage, layers: SGLangLayers, pool: PoolKV,
-                  row: torch.Tensor, options: BlendOptions, rule: SelectionRule,
-                  cost: PrefillCost | None) -> PromptSelection | None:
+                  row: torch.Tensor, options: BlendOptions, rule: SelectionRule) -> PromptSelection:
     """The selection of the prompt from `plan`'s chunk on (its row's slots `row` hold the radix
-    prefix), or None where planning the rest of the prompt would not pay (core/cost
-    `plan_pays`: then each chunk weighs and selects its own). The chunk's own runs are `plan`'s;
-    the later ones are looked up."""
+    prefix), with the probe's states for the chunks to resume. The chunk's own runs are
+    `plan`'s; the later ones are looked up. (Whether blending the rest pays was weighed when
+    the chunk was planned: srt/reuse `RequestReuse.plan_chunk`.)"""
     state, start = plan.request, plan.prefix_len
     prompt_len = len(state.req.origin_input_ids)
     runs = plan.runs + state.runs_in(table, start + plan.extend_len, prompt_len).runs
-    reused = sum(len(run) for run in runs)
-    if cost is not None and not cost.plan_pays(start, prompt_len - start, reused, plan.max_approximate):
-        return None
     device = row.device
     k0 = pool.keys(0)
     scratch = DenseKV(options.check_layer + 1, prompt_len, k0.shape[1], k0.shape[2], dtype=k0.dtype, device=device)
@@ -76,4 +76,5 @@ def select_prompt(plan: ChunkPlan, table: SegmentTable, storage: MasterStorage, 
                          [ReusedRun(run.start - start, run.end - start, run.segment_offset, run.master.key)
                           for run in runs], max_approximate=plan.max_approximate)
     checked = probe(layers, scratch, ids, torch.arange(start, prompt_len, device=device), [request], rule, options)
-    return PromptSelection.of(start, prompt_len, runs, select(checked, rule, options))
+    kept = select(checked, rule, options)
+    return PromptSelection.of(start, prompt_len, runs, kept, carried_states(checked, kept, scratch, options))

@@ -16,13 +16,14 @@ covered and recompute their part of it.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Any, Hashable
 
 import torch
 from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
 
-from sglang_tokendance.core.blend import RequestRow, ReusedRun
+from sglang_tokendance.core.blend import ProbeStates, RequestRow, ReusedRun
 from sglang_tokendance.core.cost import PrefillCost
 from sglang_tokendance.core.segment_table import SegmentEntry, SegmentTable
 from sglang_tokendance.core.segments import SegmentSpan
@@ -84,18 +85,40 @@ class ChunkPlan:
         """Whether its kept tokens come from the request's planned selection (no probe)."""
         return self.request.selection is not None
 
+    @property
+    def forwards(self) -> bool:
+        """Whether the blended prefill forwards the chunk: it reads Masters, or it resumes the
+        probe states of its planned selection (a chunk that reads none, after the first)."""
+        return bool(self.runs) or self.resumed_states() is not None
+
     def positions(self, device: torch.device) -> torch.Tensor:
         """The reused row positions, in run order."""
-        return torch.cat([torch.arange(run.start, run.end, device=device) for run in self.runs])
+        return torch.cat([torch.arange(run.start, run.end, device=device) for run in self.runs]) if self.runs \
+            else torch.zeros(0, dtype=torch.int64, device=device)
+
+    def kept(self) -> torch.Tensor | None:
+        """The planned selection's kept mask over the reused positions (host; None: not selected)."""
+        return self.request.selection.kept_at(self.positions(torch.device("cpu"))) if self.selected else None
+
+    def resumed_states(self) -> ProbeStates | None:
+        """The planned selection's probe states of the tokens the chunk computes, where those are
+        the ones planned (core/plan PromptSelection.states_for)."""
+        kept = self.kept()
+        if kept is None:
+            return None
+        computed = torch.ones(self.extend_len, dtype=torch.bool)
+        computed[self.positions(torch.device("cpu")) - self.prefix_len] = kept
+        return self.request.selection.states_for(computed.nonzero().squeeze(1) + self.prefix_len)
 
     def request_row(self, slots: torch.Tensor) -> RequestRow:
         """The chunk as core/blend takes it, over the request's KV row `slots`: its runs relative
-        to the chunk's first token, its round group, own slots and fidelity budget."""
+        to the chunk's first token, its round group, own slots and fidelity budget; under a
+        planned selection its kept tokens and the probe states its computed tokens resume."""
         runs = [ReusedRun(r.start - self.prefix_len, r.end - self.prefix_len, r.segment_offset, r.master.key)
                 for r in self.runs]
-        kept = self.request.selection.kept_at(self.positions(slots.device)) if self.selected else None
+        kept = self.kept()
         return RequestRow(self.prefix_len, self.extend_len, slots, runs, self.group, self.own, self.max_approximate,
-                          kept)
+                          None if kept is None else kept.to(slots.device), self.resumed_states())
 
 
 @dataclass
@@ -161,22 +184,29 @@ class RequestReuse:
         return (self.namespace, segment_hash)
 
     def plan_chunk(self, table: SegmentTable, prefix_len: int, extend_end: int, group: Hashable | None = None,
-                   cost: PrefillCost | None = None, max_approximate: int | None = None) -> ChunkPlan:
+                   cost: PrefillCost | None = None, max_approximate: int | None = None,
+                   plan_ahead: bool = False) -> ChunkPlan:
         """Plan the chunk [prefix_len, extend_end) (core/plan) over the cached segments of the
         request's namespace; counts the chunk's tokens, and each span's hit or miss once.
         With `cost`, a chunk whose blending would not pay reads nothing: SGLang's path computes it.
         `max_approximate`: the server's fidelity budget (the request's own, when it sets one, wins);
         the chunk gets what earlier chunks left of it (their reused tokens not recomputed).
-        Under a planned selection the chunk reads only the runs it covered (a span cached since
-        is computed) and recomputes its part of it; its cost was weighed when it was made."""
+        With `plan_ahead` (planned selection), a chunk that will choose for the rest of the
+        prompt (its first that reads, not its last) weighs blending the whole rest, as an
+        unchunked prefill would weigh it. Under a planned selection the chunk reads only the runs
+        it covered (a span cached since is computed) and recomputes its part of it; its cost was
+        weighed when it was made."""
         allowance = self.allowance(max_approximate)
         runs = self.runs_in(table, prefix_len, extend_end)
         if self.selection is not None:
             runs.runs, cost = [run for run in runs.runs if self.selection.covers(run)], None
-        fell_back = 0
-        if runs.runs and cost is not None and not cost.pays(prefix_len, extend_end - prefix_len, runs.reused_tokens,
-                                                             allowance):
-            fell_back, runs.runs = runs.reused_tokens, []
+        fell_back, prompt_len = 0, len(self.req.origin_input_ids)
+        if runs.runs and cost is not None:
+            end, reused = extend_end, runs.reused_tokens
+            if plan_ahead and extend_end < prompt_len and cost.options.chooses_per_request(allowance):
+                end, reused = prompt_len, reused + self.runs_in(table, extend_end, prompt_len).reused_tokens
+            if not cost.pays(prefix_len, end - prefix_len, reused, allowance):
+                fell_back, runs.runs = runs.reused_tokens, []
         plan = ChunkPlan(self, prefix_len, extend_end - prefix_len, runs.runs, group=group, fell_back=fell_back,
                          max_approximate=allowance,
                          hits=len(set(runs.found) - self._looked_up), misses=len(set(runs.missed) - self._looked_up))
@@ -236,6 +266,8 @@ class RequestReuse:
         self.counts.adopted_tokens += adopted
         if plan.selected:
             self.counts.planned_tokens += plan.reused_tokens
+            if plan.prefix_len + plan.extend_len == len(self.req.origin_input_ids):  # its last chunk ran
+                self.selection = dataclasses.replace(self.selection, states=None)
         self.publish()
 
     def publish(self) -> None:

@@ -130,7 +130,7 @@ class MasterStorage:
         to the readers' positions (`copying` False: nothing reads it, e.g. ratio 1)."""
         src, dst, positions = [], [], []
         for plan in plans:
-            if not (self.zero_copy or copying):
+            if not (self.zero_copy or copying) or not plan.runs:  # (a chunk that only resumes reads none)
                 continue
             row = self.req_to_token_pool.req_to_token[plan.pool_index]
             masters = [run.master.slots[run.segment_offset:run.segment_offset + len(run)] for run in plan.runs]
