@@ -504,11 +504,9 @@ Chunked: each prompt is prefilled in chunks of `chunk` tokens, as SGLang's chunk
 forwards it (each chunk planned as the server plans it, blended over the KV the chunks before it
 left); `chunk` 0 is the whole prompt in one forward, through the same code. `kl_vs_whole`: the
 decode-step KL over the whole prompt's at the same N and setting; the target is within 1.2x.
-`planned`: the whole prompt's selection made before the first chunk (a probe of the whole
-prompt, as the unchunked prefill's), each chunk recomputing exactly its part of it -- what a
-server that plans selection ahead would serve (the server selects per chunk today); its `work`
-counts the planning probe and each chunk's own probe of all its tokens, more than such a server
-would compute."""
+`planned`: the server's planned selection -- at the first chunk that reads Masters, a probe of
+the rest of the prompt chooses for all of it, and each chunk resumes the probe's states of its
+computed tokens after the probe layers; its `work` counts the planning probe."""
 
 
 def chunked_versus(rows: list[dict]) -> list[dict]:
