@@ -1,5 +1,6 @@
 """bench_never_worse: the per-shape comparison (fast) and, on a tiny random-weight model, every
-shape run end to end with TokenDance serving at least radix's exact tokens (slow)."""
+shape run end to end with TokenDance serving at least radix's exact tokens, the conversation
+shape on SmolLM2 (slow)."""
 
 from __future__ import annotations
 
