@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from sglang_tokendance.bench.quality import (MASTER_CHOICES, ORACLE, PLAIN, GroupBatch, QualityConfig, QualityRunner,
-                                             Setting, common_prefix, evaluate_group,
+from sglang_tokendance.bench.quality import (FULL, MASTER_CHOICES, ORACLE, PLAIN, GroupBatch, QualityConfig,
+                                             QualityRunner, Setting, common_prefix, evaluate_group,
                                              evaluate_master_choice, evaluate_prompt, group_references, group_settings,
                                              entropy_rows, kl_top, master_stores, measure_chunked, measure_divergence,
                                              medoid, segment_copies, summarize, top_margin)
@@ -102,6 +102,44 @@ def test_every_setting_against_the_full_prefill(runner):
     rows = summarize(samples)
     assert {r["setting"] for r in rows} == set(by)
     assert all(r["recomputed_share"] == r["ratio"] for r in rows if r["rule"] == ORACLE)
+
+
+def test_a_round_leaders_blocks_become_the_masters_its_followers_read(runner):
+    """QualityRunner.lead, as the server's round leader: the leader's exact block KV supersedes
+    the authors' Masters, so the leader's own prompt read through them is its full prefill; a
+    follower reads them and is charged its share of the leader's prefill."""
+    import torch
+
+    from sglang_tokendance.core.blend import BlendOptions
+
+    sim = make_simulation(preset_config("generative_agents", num_agents=3, num_rounds=1, history_words=20,
+                                        block_words=25, max_new_tokens=6))
+    store = runner.seed_store(sim)
+    lead = runner.lead(sim, store, 2)
+    leader = runner.agent_prompt(sim, 2, 0, sim.seed_messages)
+    assert (lead.leader, lead.followers) == (2, 2)
+    assert lead.token_layers == len(leader.input_ids) * runner.model.num_layers
+    blocks = {span.hash for span in leader.spans}
+    assert blocks <= set(store.entries) and set(lead.store.entries) == set(store.entries)
+    assert all(not torch.allclose(lead.store.entries[h][1], store.entries[h][1]) for h in blocks)
+    assert all(lead.store.entries[h] is store.entries[h] for h in set(store.entries) - blocks)
+    room, options = len(leader.input_ids) + 4, BlendOptions()
+    full, *_ = runner.run_setting(leader, store, Setting(FULL), options, room)
+    own, _, _, hits = runner.run_setting(leader, lead.store, Setting(PLAIN), options, room)
+    author, *_ = runner.run_setting(leader, store, Setting(PLAIN), options, room)
+    assert hits == len(leader.spans) > 0
+    torch.testing.assert_close(own, full, atol=1e-4, rtol=1e-4)  # its own blocks, exact
+    assert not torch.allclose(author, full, atol=1e-3, rtol=1e-3)  # the authors' are not
+    follower = runner.agent_prompt(sim, 0, 0, sim.seed_messages)
+    setting = Setting(RULE, 0.3, 2)
+    _, _, alone, _ = runner.run_setting(follower, lead.store, setting, options, room)
+    _, _, led, _ = runner.run_led(follower, lead, setting, options, room)
+    share = round(lead.token_layers / 2)
+    assert (led.token_layers - alone.token_layers, led.full_token_layers - alone.full_token_layers) == (share, share)
+    assert Setting.parse(f"{RULE} r=0.3 c=2 lead") == replace(setting, lead=True)
+    assert Setting.parse("plain lead").lead and Setting.parse("plain lead").label == "plain lead"
+    with pytest.raises(ValueError):
+        Setting.parse(f"{RULE} r=0.3 c=2 lead=1")
 
 
 def test_chunked_prefill_plans_each_chunk_as_the_server_does(runner):
@@ -254,7 +292,8 @@ def test_fidelity_mode_reports_content_steps_budgets_and_block_deviation(tmp_pat
     from sglang_tokendance import bench_quality
 
     out = tmp_path / "fidelity.jsonl"
-    settings = "plain;attention-kv r=0.3 c=2;attention-kv r=0.3 c=2 m=5;attention-kv r=0.3 c=2 m=0"
+    settings = "plain;attention-kv r=0.3 c=2;attention-kv r=0.3 c=2 m=5;attention-kv r=0.3 c=2 m=0;" \
+               "attention-kv r=0.3 c=2 lead"
     bench_quality.main(["--model-path", str(tiny_path), "--fidelity", "--num-agents", "2", "--prompts-per-n", "1",
                         "--seeds", "0,1", "--fidelity-settings", settings, "--continuation-tokens", "4",
                         "--decode-steps", "6", "--history-words", "20", "--block-words", "25",
@@ -269,6 +308,13 @@ def test_fidelity_mode_reports_content_steps_budgets_and_block_deviation(tmp_pat
         assert budgeted["approximate_tokens"] <= 5 and exact["approximate_tokens"] == 0
         assert exact["decode_kl"] == pytest.approx(0, abs=1e-6)  # nothing approximate: a full prefill
         assert exact["decisive_top1"] in (None, 1.0)
+        # the round's leader (its last agent, unmeasured) caches every block of its prompt, the debate's
+        # briefing too (not seeded), and charges its exact prefill to the one follower
+        led, alone = rows[(preset, 0, labels[4])], rows[(preset, 0, labels[1])]
+        assert led["reused_tokens"] >= alone["reused_tokens"]
+    led, alone = rows[("generative_agents", 0, labels[4])], rows[("generative_agents", 0, labels[1])]
+    assert led["reused_tokens"] == alone["reused_tokens"] and led["work"] > alone["work"]
+    assert rows[("debate", 0, labels[4])]["reused_tokens"] > rows[("debate", 0, labels[1])]["reused_tokens"]
     samples = [r for r in records if r["kind"] == "fidelity_sample"]
     assert all(len(s["block_deviation"]) >= 2 and s["content_steps"] <= len(s["decode_kls"]) for s in samples)
     assert all(d == pytest.approx(0, abs=1e-5) for s in samples if s["setting"] == labels[3]
@@ -279,8 +325,11 @@ def test_fidelity_mode_reports_content_steps_budgets_and_block_deviation(tmp_pat
     md = out.with_suffix(".md").read_text()
     assert "--fidelity" in md and "content_kl" in md and "by block index" in md
     assert out.with_suffix(".png").stat().st_size > 0
+    assert out.with_name("fidelity_frontier_n2.png").stat().st_size > 0
     with pytest.raises(SystemExit):
         bench_quality.parse_args(["--fidelity", "--presets", "town"])
+    with pytest.raises(SystemExit):  # a server leads rounds of a workload, not of a setting
+        bench_quality.parse_args(["--server", "--server-settings", "plain lead"])
     assert bench_quality.parse_args(["--fidelity"]).num_agents == (4, 10, 16)
 
 

@@ -47,7 +47,7 @@ import argparse
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -117,12 +117,12 @@ def server_default_setting() -> Setting:
 
 
 def fidelity_settings() -> tuple[Setting, ...]:
-    """Plain reuse, the server's default, the same under fidelity budgets, and the default before
-    the re-tuning on decode (our attention-kv rule, checked at layer 5): the candidates for
-    fidelity as N grows."""
+    """Plain reuse, the server's default, the same under fidelity budgets, the default before
+    the re-tuning on decode (our attention-kv rule, checked at layer 5), and the default in a
+    round with a leader (the server's default for a round): the candidates for fidelity as N grows."""
     default = server_default_setting()
     return (Setting(PLAIN), default, replace(default, budget=200), replace(default, budget=100),
-            Setting("attention-kv", default.ratio, 5, default.screen_layer))
+            Setting("attention-kv", default.ratio, 5, default.screen_layer), replace(default, lead=True))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -181,8 +181,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     fidelity.add_argument("--seeds", type=_ints, default=(0, 1), help="workload seeds (comma-separated)")
     fidelity.add_argument("--fidelity-settings", type=_settings, default=fidelity_settings(),
                           help="';'-separated settings (default: plain; the server's default; the same with a "
-                               "fidelity budget of 200 and 100 approximate tokens (m=); CacheBlend's K+V rule at "
-                               "check layer 8, screened)")
+                               "fidelity budget of 200 and 100 approximate tokens (m=); the default before the "
+                               "re-tuning on decode (attention-kv c=5); the default in a round led by its last "
+                               "agent (lead: the leader prefilled exactly, its blocks the Masters the others read, "
+                               "its work shared among them))")
     p.add_argument("--diff-gaps", action="store_true",
                    help="measure what --tokendance-diff-threshold could drop: each reused token's largest relative "
                         "KV gap to its exact KV, over layers (uses --presets, --seeds, --num-agents, "
@@ -217,6 +219,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--chunked sizes must be positive, got {args.chunked}")
     if not 1 <= args.decode_steps <= 64:
         p.error(f"--decode-steps must be in [1, 64], got {args.decode_steps}")
+    if args.server:
+        try:
+            server_config_from(args)
+        except ValueError as e:
+            p.error(str(e))
     return args
 
 
@@ -485,6 +492,29 @@ def run_fidelity(args: argparse.Namespace, runner: QualityRunner, out: Path, com
             for preset in args.presets
             for metric, label in (("content_kl", "content-step decode KL (log)"), ("work", "work / full prefill"))]
         report.plot_panels(out.with_suffix(".png"), "Fidelity and work as N grows", panels)
+        for n in config.num_agents:
+            plot_frontier(out.with_name(f"{out.stem}_frontier_n{n}.png"),
+                          [r for r in pooled if r["agents"] == n], args.presets, n)
+
+
+def setting_family(label: str) -> str:
+    """A setting's label without its recompute ratio: the settings one frontier line joins."""
+    return " ".join(f for f in label.split() if not f.startswith("r="))
+
+
+def plot_frontier(path: Path, rows: list[dict], presets: Sequence[str], agents: int) -> None:
+    """Content-step decode KL against work at one N, one panel per workload: one line per
+    setting family over its recompute ratios (plain reuse, a budget, a single setting: a point)."""
+    panels = []
+    for preset in presets:
+        series: dict[str, tuple[list[float], list[float]]] = {}
+        for r in sorted((r for r in rows if r["preset"] == preset and r["content_kl"]), key=lambda r: r["work"]):
+            xs, ys = series.setdefault(setting_family(r["setting"]), ([], []))
+            xs.append(r["work"])
+            ys.append(r["content_kl"])
+        panels.append(report.Panel(preset, "work: token-layers / full prefill's", "content-step decode KL (log)",
+                                   series, logy=True))
+    report.plot_panels(path, f"Fidelity / work frontier, N={agents}", panels)
 
 
 FIDELITY_METRICS = """

@@ -68,11 +68,15 @@ class Setting:
     # chunked prefill: the whole prompt's selection made at its first chunk, each chunk recomputing its part
     # unprobed (the server's --tokendance-planned-selection); without it each chunk selects its own
     planned: bool = False
+    # a round leader (the server's --tokendance-round-leader, on a round): the round's leader is prefilled
+    # exactly first and its blocks' KV, computed in round context, becomes the Masters the others read
+    lead: bool = False
 
     @property
     def label(self) -> str:
         storage = (f" st={self.storage}" if self.storage != "dense" else "") + \
-            (f" e={self.diff_threshold:g}" if self.diff_threshold else "") + (" planned" if self.planned else "")
+            (f" e={self.diff_threshold:g}" if self.diff_threshold else "") + (" planned" if self.planned else "") + \
+            (" lead" if self.lead else "")
         if self.rule in (PLAIN, FULL):
             return self.rule + storage
         screen = f" s={self.screen_layer}" if self.screen_layer else ""
@@ -88,19 +92,22 @@ class Setting:
     @classmethod
     def parse(cls, label: str) -> "Setting":
         """The setting a `label` names ("plain", "attention-kv r=0.3 c=5 s=1 m=100 st=mirror e=0.05",
-        "attention-kv r=0.3 c=5 planned"): for command lines."""
+        "attention-kv r=0.3 c=5 planned", "plain lead"): for command lines."""
         rule, *fields = label.split()
         values = dict(f.split("=", 1) if "=" in f else (f, "") for f in fields)
         storage = values.pop("st", "dense"), float(values.pop("e", 0.0))
-        if rule in (PLAIN, FULL) and not values:
-            return cls(rule, storage=storage[0], diff_threshold=storage[1])
-        if rule not in RULES or not {"r", "c"} <= set(values) <= {"r", "c", "s", "g", "k", "m", "planned"}:
+        lead = values.pop("lead", None)  # a bare word, like planned
+        if rule in (PLAIN, FULL) and not values and lead in (None, ""):
+            return cls(rule, storage=storage[0], diff_threshold=storage[1], lead=lead == "")
+        if lead not in (None, "") or rule not in RULES or \
+                not {"r", "c"} <= set(values) <= {"r", "c", "s", "g", "k", "m", "planned"}:
             raise ValueError(f"bad setting {label!r}: write 'plain' or 'RULE r=RATIO c=CHECK_LAYER [s=SCREEN_LAYER] "
                              f"[g=GROUP_SELECTION] [k=PROBERS] [m=MAX_APPROXIMATE_TOKENS] [planned]', either followed "
-                             f"by [st=STORAGE] [e=DIFF_THRESHOLD], with RULE one of {', '.join(RULES)}")
+                             f"by [st=STORAGE] [e=DIFF_THRESHOLD] [lead], with RULE one of {', '.join(RULES)}")
         return cls(rule, float(values["r"]), int(values["c"]), int(values.get("s", 0)),
                    values.get("g", "per-request"), int(values.get("k", 0)),
-                   int(values["m"]) if "m" in values else None, *storage, planned="planned" in values)
+                   int(values["m"]) if "m" in values else None, *storage, planned="planned" in values,
+                   lead=lead == "")
 
 
 @dataclass(frozen=True)
@@ -213,6 +220,15 @@ class SegmentStore:
         return [ReusedRun(run.start - start, run.end - start, run.segment_offset, run.master[0]) for run in runs]
 
 
+class Lead(NamedTuple):
+    """A round whose leader was prefilled first (QualityRunner.lead)."""
+
+    store: SegmentStore  # the Masters the followers read: the leader's blocks where its prompt has them
+    leader: int  # its agent index
+    token_layers: int  # the leader's exact prefill
+    followers: int  # the round's other members, among whom the leader's prefill is shared
+
+
 class QualityRunner:
     """The model, tokenizer and chat-prompt building shared by every measurement."""
 
@@ -320,6 +336,27 @@ class QualityRunner:
             for span in seed.spans:  # none when the message is below the minimum segment length
                 store.add(span.hash, kv, span.start, span.end - span.start)
         return store
+
+    def lead(self, sim: Simulation, store: SegmentStore, leader: int) -> "Lead":
+        """Round 0 of `sim` led by agent `leader`, as the server's round leader runs it: the
+        leader's prompt prefilled exactly, and its blocks' KV -- computed in round context, after
+        the messages that precede them in its prompt -- superseding their Masters in `store`
+        (srt/storage caches a leader's blocks with `replace`)."""
+        prompt = self.agent_prompt(sim, leader, 0, sim.seed_messages)
+        kv = self.new_kv(len(prompt.input_ids))
+        _, stats = self.prefill(prompt.input_ids, kv, [], BlendOptions())
+        masters = {span.hash: store.copy_of(kv, span.start, span.end - span.start) for span in prompt.spans}
+        return Lead(store.replaced(masters), leader, stats.token_layers, len(sim.agents) - 1)
+
+    def run_led(self, prompt: SegmentedPrompt, lead: "Lead", setting: Setting, options: BlendOptions,
+                room: int) -> tuple[torch.Tensor, DenseKV, BlendStats, int]:
+        """`run_setting` for a member that follows `lead`: it reads the leader's Masters, and its
+        stats carry its share of the leader's exact prefill (work and full work alike), so that
+        the followers' work ratio is the round's."""
+        logits, kv, stats, hits = self.run_setting(prompt, lead.store, setting, options, room)
+        share = round(lead.token_layers / lead.followers)
+        return logits, kv, replace(stats, token_layers=stats.token_layers + share,
+                                   full_token_layers=stats.full_token_layers + share), hits
 
     def run_setting(self, prompt: SegmentedPrompt, store: SegmentStore, setting: Setting, options: BlendOptions,
                     room: int) -> tuple[torch.Tensor, DenseKV, BlendStats, int]:
@@ -714,7 +751,7 @@ def measure_chunked(runner: QualityRunner, config: QualityConfig, chunks: Sequen
     blended = [replace(default_setting(config), ratio=r) for r in config.ratios]
     settings = [Setting(PLAIN), *blended, *(replace(s, planned=True) for s in blended)]
     samples = []
-    for n, i, prompt, store in agent_prompts(runner, config, "chunked"):
+    for n, i, prompt, store, _ in agent_prompts(runner, config, "chunked"):
         ids, room = prompt.input_ids, room_for(prompt, config)
         ref = reference_of(runner, ids, config, room)
         for setting in settings:
@@ -728,25 +765,34 @@ def measure_chunked(runner: QualityRunner, config: QualityConfig, chunks: Sequen
 def measure_fidelity(runner: QualityRunner, config: QualityConfig, presets: Sequence[str], seeds: Sequence[int],
                      settings: Sequence[Setting]) -> list[Sample]:
     """Every setting of `settings` (each its own probe) on the first agents' round-0 prompts at
-    every N of the sweep, for each workload preset and seed: how fidelity holds as N grows."""
-    samples = []
-    for workload, n, i, prompt, store in preset_prompts(runner, config, presets, seeds, "fidelity"):
+    every N of the sweep, for each workload preset and seed: how fidelity holds as N grows. A
+    `lead` setting's round is led by its last agent (prefilled exactly, never measured: the
+    first agents follow it, each charged its share of the leader's prefill)."""
+    samples, led = [], None  # the round whose lead was computed, with it
+    for workload, n, i, prompt, store, sim in preset_prompts(runner, config, presets, seeds, "fidelity"):
         room = room_for(prompt, workload)
         ref = reference_of(runner, prompt.input_ids, workload, room)
         for setting in settings:
-            logits, kv, stats, _ = runner.run_setting(prompt, store, setting, workload.options, room)
+            if not setting.lead:
+                logits, kv, stats, _ = runner.run_setting(prompt, store, setting, workload.options, room)
+            elif i == n - 1:
+                continue
+            else:
+                if led is None or led[0] is not sim:
+                    led = sim, runner.lead(sim, store, n - 1)
+                logits, kv, stats, _ = runner.run_led(prompt, led[1], setting, workload.options, room)
             samples.append(sample_of(runner, ref, prompt, workload, setting, logits, kv, stats, n, i))
     return samples
 
 
 def preset_prompts(runner: QualityRunner, config: QualityConfig, presets: Sequence[str], seeds: Sequence[int],
-                   desc: str) -> Iterator[tuple[QualityConfig, int, int, SegmentedPrompt, SegmentStore]]:
+                   desc: str) -> Iterator[tuple[QualityConfig, int, int, SegmentedPrompt, SegmentStore, Simulation]]:
     """`agent_prompts` of each preset and seed (the workload's config first)."""
     for preset in presets:
         for seed in seeds:
             workload = replace(config, preset=preset, seed=seed)
-            for n, i, prompt, store in agent_prompts(runner, workload, f"{desc} {preset} seed={seed}"):
-                yield workload, n, i, prompt, store
+            for item in agent_prompts(runner, workload, f"{desc} {preset} seed={seed}"):
+                yield workload, *item
 
 
 def reused_kv_gaps(runner: QualityRunner, config: QualityConfig, presets: Sequence[str],
@@ -760,7 +806,7 @@ def reused_kv_gaps(runner: QualityRunner, config: QualityConfig, presets: Sequen
         return (exact - reused).flatten(2).norm(dim=2) / exact.flatten(2).norm(dim=2).clamp_min(1e-12)
 
     rows = []
-    for workload, n, i, prompt, store in preset_prompts(runner, config, presets, seeds, "KV gaps"):
+    for workload, n, i, prompt, store, _ in preset_prompts(runner, config, presets, seeds, "KV gaps"):
         room = room_for(prompt, workload)
         _, full, _, _ = runner.run_setting(prompt, store, Setting(FULL), workload.options, room)
         cached = runner.new_kv(room)
@@ -794,18 +840,18 @@ def screened_setting(config: QualityConfig, ratio: float) -> Setting | None:
 
 
 def agent_prompts(runner: QualityRunner, config: QualityConfig, desc: str
-                  ) -> Iterator[tuple[int, int, SegmentedPrompt, SegmentStore]]:
+                  ) -> Iterator[tuple[int, int, SegmentedPrompt, SegmentStore, Simulation]]:
     """At every N of the sweep, the first agents' round-0 prompts (N, agent, prompt, the seed
-    messages' Masters)."""
+    messages' Masters, the round's simulation)."""
     for n in config.num_agents:
         sim = make_simulation(_workload(config, n, rounds=1))
         store = runner.seed_store(sim)
         for i in tqdm(range(min(n, config.prompts_per_n)), desc=f"{desc} N={n}", unit="agent"):
-            yield n, i, runner.agent_prompt(sim, i, 0, sim.seed_messages), store
+            yield n, i, runner.agent_prompt(sim, i, 0, sim.seed_messages), store, sim
 
 
 def measure_prompts(runner: QualityRunner, config: QualityConfig) -> list[Sample]:
-    return [s for n, i, prompt, store in agent_prompts(runner, config, "quality")
+    return [s for n, i, prompt, store, _ in agent_prompts(runner, config, "quality")
             for s in evaluate_prompt(runner, prompt, store, config, n, i)]
 
 

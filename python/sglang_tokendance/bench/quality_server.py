@@ -21,8 +21,9 @@ full-vocabulary KLs, and the noise floor (reference server vs in-process full pr
 A workload with `round` sends all N agents' prompts at once as one round (`tokendance.round`)
 and measures each of them: `round=lead` under the server's round leader (its leader is
 computed exactly and its blocks become the Masters the others read), `round=all` with
-`--no-tokendance-round-leader`. The in-process side has no round: there, server and
-in-process differ by design, and the server's measure is the one to read.
+`--no-tokendance-round-leader`. Under `round=lead` the in-process side follows the leader the
+server chose (the member whose blocks superseded their Masters, `round_master_tokens`): that
+member is a full prefill, the others read its blocks (QualityRunner.lead).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import requests
 import torch
 from tqdm import tqdm
 
-from sglang_tokendance.bench.quality import (CONTENT_ENTROPY, FULL, PLAIN, QualityRunner, SegmentStore, Setting,
+from sglang_tokendance.bench.quality import (CONTENT_ENTROPY, FULL, PLAIN, Lead, QualityRunner, SegmentStore, Setting,
                                              common_prefix, entropy_rows, kl_rows, mean_or_none)
 from sglang_tokendance.bench.workloads import PRESETS, Simulation, make_simulation, preset_config
 from sglang_tokendance.core.blend import BlendOptions
@@ -105,6 +106,11 @@ class ServerConfig:
     seed: int = 0
     model_path: str | None = None
     max_total_tokens: int = 8192  # each server's KV budget: the prompts are short, the machine may be shared
+
+    def __post_init__(self) -> None:
+        if any(s.lead for s in self.settings):
+            raise ValueError("a server's round leader is a workload's, not a setting's: write round=lead in "
+                             "--server-workloads")
 
     def cases(self) -> list[tuple[Setting, Workload]]:
         """Every setting on every workload, then the first setting on the chunked workloads."""
@@ -427,14 +433,27 @@ def compare_all(config: ServerConfig, runner: QualityRunner, workloads: dict[Wor
     for workload, settings in tqdm(by_workload.items(), desc="in-process", unit="workload"):
         prompts = workloads[workload]
         store = runner.seed_store(prompts.sim)
+        leads = {setting: server_lead(runner, prompts, store, [blended[setting.label, workload.label, i]
+                                                               for i in range(len(prompts.prompts))])
+                 for setting in settings}
         for i, prompt in enumerate(prompts.prompts):
             ref = reference[workload.label, i]
             full = in_process(runner, prompt, store, Setting(FULL), config, ref.ids)
             for setting in settings:
-                mine = in_process(runner, prompt, store, setting, config, ref.ids)
+                lead = leads[setting]
+                mine = full if lead is not None and lead.leader == i else \
+                    in_process(runner, prompt, store if lead is None else lead.store, setting, config, ref.ids)
                 answer = blended[setting.label, workload.label, i]
                 samples.append(compare(workload, i, setting, prompt, config, ref, answer, full, mine))
     return samples
+
+
+def server_lead(runner: QualityRunner, prompts: Prompts, store: SegmentStore,
+                answers: Sequence[ServerOutput]) -> Lead | None:
+    """The round's leader as the server chose it (the first member whose blocks superseded their
+    Masters), with its Masters in-process; None where no member led (no round, or no leader)."""
+    leader = next((i for i, a in enumerate(answers) if a.reuse.get("round_master_tokens", 0) > 0), None)
+    return None if leader is None or not prompts.workload.round else runner.lead(prompts.sim, store, leader)
 
 
 def summarize(samples: Iterable[ServerSample]) -> list[dict]:
