@@ -5,6 +5,8 @@ hit: SGLang's own full prefill), with one measured prompt, so nothing it caches 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from conftest import emptied
@@ -68,8 +70,19 @@ def test_a_round_goes_leader_first_and_the_others_read_its_blocks(server_url, sm
     assert record["led"] and record["admitted"] == [1, 2]
     assert state["tokendance_rounds"]["led_rounds"] == led_before + 1
     assert state["tokendance_forest"]["segments_superseded"] >= workload.agents
-    alone = Prompts(runner, CONFIG, Workload(3, 30))  # the leader's prompt with nothing cached: a full prefill
-    alone.texts = [prompts.texts[leader]]
-    [exact] = answer(server_url, alone, CONFIG, seed=False, desc="alone")
-    assert exact.reuse.get("segment_hits", 0) == 0
-    assert truncated_kl(exact.tops[0], outputs[leader].tops[0]) < 1e-3  # a blended answer is ~1e-2 off
+    alone = Prompts(runner, CONFIG, Workload(3, 30))  # each prompt with nothing cached: a full prefill
+    exact = []
+    for text in prompts.texts:
+        alone.texts = [text]
+        exact += answer(server_url, alone, CONFIG, seed=False, desc="alone")
+    assert all(out.reuse.get("segment_hits", 0) == 0 for out in exact)
+    assert truncated_kl(exact[leader].tops[0], outputs[leader].tops[0]) < 1e-3  # a blended answer is ~1e-2 off
+    # the in-process side follows the same leader: the followers' answers are its blend over the leader's blocks
+    samples = compare_all(replace(CONFIG, workloads=(workload,)), runner, {workload: prompts},
+                          {(workload.label, i): out for i, out in enumerate(exact)},
+                          {(SETTING.label, workload.label, i): out for i, out in enumerate(outputs)})
+    for sample in samples:
+        assert sample.same_prompt and (sample.inproc_hits == 0) == (sample.agent == leader)
+        assert (sample.server_hits, sample.server_reused, sample.server_recomputed) == (
+            sample.inproc_hits, sample.inproc_reused, sample.inproc_recomputed)
+        assert sample.server_first_tkl == pytest.approx(sample.inproc_first_tkl, rel=0.05, abs=1e-4)
