@@ -32,8 +32,10 @@ With --fidelity it measures how fidelity holds as N grows (see measure_fidelity 
 sglang_tokendance/bench/quality.py): every --fidelity-settings setting on each --presets workload
 and --seeds seed at N = 4, 10 and 16 (or --num-agents), with the decode-step KL over content
 steps (the full model's entropy above 1 nat) as the headline beside first-token KL and work, top-1
-agreement where the full model has no near tie, and the KV deviation by block index; results go
-to benchmark/results/quality_fidelity.{jsonl,md,png} by default.
+agreement where the full model has no near tie, and the KV deviation by block index; a setting
+marked `lead` runs in a round whose leader (its last agent) was prefilled exactly first, as the
+server's round leader runs a round. Results go to benchmark/results/quality_fidelity.{jsonl,md,png}
+by default, with the content-step KL / work frontier per N (quality_fidelity_frontier_nN.png).
 
 With --server it measures the same prompts through real servers instead: TokenDance servers
 at --server-settings vs one with --disable-tokendance, compared on top-logprobs beside the

@@ -337,7 +337,7 @@ class QualityRunner:
                 store.add(span.hash, kv, span.start, span.end - span.start)
         return store
 
-    def lead(self, sim: Simulation, store: SegmentStore, leader: int) -> "Lead":
+    def lead(self, sim: Simulation, store: SegmentStore, leader: int) -> Lead:
         """Round 0 of `sim` led by agent `leader`, as the server's round leader runs it: the
         leader's prompt prefilled exactly, and its blocks' KV -- computed in round context, after
         the messages that precede them in its prompt -- superseding their Masters in `store`
@@ -348,7 +348,7 @@ class QualityRunner:
         masters = {span.hash: store.copy_of(kv, span.start, span.end - span.start) for span in prompt.spans}
         return Lead(store.replaced(masters), leader, stats.token_layers, len(sim.agents) - 1)
 
-    def run_led(self, prompt: SegmentedPrompt, lead: "Lead", setting: Setting, options: BlendOptions,
+    def run_led(self, prompt: SegmentedPrompt, lead: Lead, setting: Setting, options: BlendOptions,
                 room: int) -> tuple[torch.Tensor, DenseKV, BlendStats, int]:
         """`run_setting` for a member that follows `lead`: it reads the leader's Masters, and its
         stats carry its share of the leader's exact prefill (work and full work alike), so that
