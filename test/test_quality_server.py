@@ -173,6 +173,11 @@ def test_a_led_round_is_compared_with_its_leaders_masters(runner):
         assert (s.server_hits, s.server_reused, s.server_recomputed) == (s.inproc_hits, s.inproc_reused,
                                                                          s.inproc_recomputed)
         assert (s.inproc_hits == 0) == (s.agent == 1)
+    [row] = summarize(samples)  # the readers' means leave the leader out
+    followers = [s for s in samples if s.agent != 1]
+    assert row["prompts"] == 3 and row["readers"] == 2
+    assert row["readers_server_first_tkl"] == pytest.approx(sum(s.server_first_tkl for s in followers) / 2)
+    assert row["server_first_tkl"] == pytest.approx(sum(s.server_first_tkl for s in samples) / 3)
     # answers whose leader went unreported are compared with the authors' Masters: they differ
     blended[DEFAULT.label, workload.label, 1] = canned(runner, prompts, store, Setting(FULL), 1, True)
     unled = compare_all(config, runner, {workload: prompts}, reference, blended)

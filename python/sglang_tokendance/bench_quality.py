@@ -640,7 +640,12 @@ def run_server(args: argparse.Namespace, runner: QualityRunner, out: Path, comma
     """Server mode: JSONL, Markdown, plot."""
     config = server_config_from(args)
     saved = quality_server.SavedAnswers(out.with_suffix(".answers.jsonl"), config, args.resume)
-    samples = quality_server.run(config, runner, saved)
+    write_server_report(out, command, config, quality_server.run(config, runner, saved), plot=not args.no_plot)
+
+
+def write_server_report(out: Path, command: str, config: ServerConfig, samples: list[quality_server.ServerSample],
+                        plot: bool) -> None:
+    """Server mode's JSONL, Markdown and plot of `samples`."""
     rows = quality_server.summarize(samples)
     report.write_jsonl(out, [{"kind": "server_sample", **asdict(s)} for s in samples]
                        + [{"kind": "server_summary", **r} for r in rows])
@@ -656,10 +661,15 @@ def run_server(args: argparse.Namespace, runner: QualityRunner, out: Path, comma
                 ("Reuse counts and full-vocabulary KL (mean over agents)", report.markdown_table(rows, [
                     "workload", "setting", "same_prompts", "server_hits", "inproc_hits", "server_reused",
                     "inproc_reused", "server_recomputed", "inproc_recomputed", "server_own",
-                    "server_within_threshold", "server_compression", "inproc_first_kl", "inproc_decode_kl"]))]
+                    "server_within_threshold", "server_compression", "inproc_first_kl", "inproc_decode_kl"])),
+                ("Members that read Masters (mean over them; a led round's leader, computed exactly, left out)",
+                 report.markdown_table(rows, [
+                     "workload", "setting", "readers", "readers_server_first_tkl", "readers_inproc_first_tkl",
+                     "readers_server_decode_tkl", "readers_inproc_decode_tkl", "readers_server_content_tkl",
+                     "readers_inproc_content_kl", "readers_server_agree"]))]
     report.write_markdown(out.with_suffix(".md"), "Blended prefill quality through the server vs in-process "
                           "(SmolLM2-135M)", command, sections)
-    if not args.no_plot:
+    if plot:
         plot_server(out.with_suffix(".png"), samples)
 
 

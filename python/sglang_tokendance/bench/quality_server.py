@@ -477,4 +477,12 @@ def summarize(samples: Iterable[ServerSample]) -> list[dict]:
                          "server_within_threshold")}})
         positions = sum(s.server_reused + s.server_recomputed for s in group)
         rows[-1]["server_compression"] = positions / max(1, sum(s.server_own for s in group))
+        # the members that read Masters: a led round's leader (computed exactly, KL 0) left out
+        readers = [s for s in group if s.server_hits > 0]
+        rows[-1]["readers"] = len(readers)
+        rows[-1].update({f"readers_{name}": mean_or_none(getattr(s, name) for s in readers
+                                                         if getattr(s, name) is not None)
+                         for name in ("server_first_tkl", "inproc_first_tkl", "server_decode_tkl",
+                                      "inproc_decode_tkl", "server_content_tkl", "inproc_content_kl",
+                                      "server_agree")})
     return rows
