@@ -451,9 +451,10 @@ def compare_all(config: ServerConfig, runner: QualityRunner, workloads: dict[Wor
 def server_lead(runner: QualityRunner, prompts: Prompts, store: SegmentStore,
                 answers: Sequence[ServerOutput]) -> Lead | None:
     """The round's leader as the server chose it (the first member whose blocks superseded their
-    Masters), with its Masters in-process; None where no member led (no round, or no leader)."""
+    Masters), with its Masters in-process; None where no member led (only a led round's leader
+    supersedes Masters)."""
     leader = next((i for i, a in enumerate(answers) if a.reuse.get("round_master_tokens", 0) > 0), None)
-    return None if leader is None or not prompts.workload.round else runner.lead(prompts.sim, store, leader)
+    return None if leader is None else runner.lead(prompts.sim, store, leader)
 
 
 def summarize(samples: Iterable[ServerSample]) -> list[dict]:
