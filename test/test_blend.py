@@ -13,7 +13,8 @@ from sglang_tokendance.bench.hf_layerwise import HFLayerwise, full_prefill
 from sglang_tokendance.core.dense_kv import DenseKV
 from sglang_tokendance.core.blend import BlendOptions, RequestRow, blended_prefill, finish, probe, select
 from sglang_tokendance.core.rope import RopeSpec, rotate, unrotate
-from sglang_tokendance.core.selection import RULES, ReusedSegment, fixed_scores, kept_share, rule_named, select_kept
+from sglang_tokendance.core.selection import (RULES, ReusedSegment, fixed_scores, kept_share, most_kept, rule_named,
+                                              select_kept)
 from sglang_tokendance.bench.tiny_models import TINY_ARCHITECTURES, tiny_layerwise
 
 SEG = (12, 30)  # the reused segment's place in the target prompt
@@ -226,6 +227,28 @@ def test_kept_share_leaves_at_most_the_budget_approximate(ratio, reused, bound):
         assert reused - round(share * reused) <= bound  # the tokens select_kept leaves approximate
     if share > ratio:  # raised no further than the budget needs
         assert reused - round(share * reused) == bound
+
+
+@given(data=st.data(), share=st.floats(0.0, 1.0), granularity=st.sampled_from(["token", "block"]),
+       block_size=st.integers(1, 9), head_tokens=st.integers(0, 6))
+def test_most_kept_bounds_what_select_kept_keeps_and_is_reached(data, share, granularity, block_size, head_tokens):
+    """Zero-copy storage allocates a request's own slots before its forward for `most_kept`
+    tokens: select_kept never keeps more, whatever the scores, runs and offsets (ties and
+    unscored tokens included), and some scores make it keep exactly that many."""
+    lengths = data.draw(st.lists(st.integers(1, 30), min_size=1, max_size=4))
+    offsets = data.draw(st.lists(st.integers(0, 20), min_size=len(lengths), max_size=len(lengths)))
+    segments, at = [], 0
+    for n, offset in zip(lengths, offsets):
+        segments.append(ReusedSegment(at, at + n, offset))
+        at += n
+    bound = most_kept(segments, share, granularity=granularity, block_size=block_size, head_tokens=head_tokens)
+    kwargs = dict(granularity=granularity, block_size=block_size, head_tokens=head_tokens)
+    scores = torch.tensor(data.draw(st.lists(st.sampled_from([0.0, 1.0, 2.5, float("nan")]), min_size=at,
+                                             max_size=at)))
+    assert int(select_kept(scores, [segments], [share], **kwargs).sum()) <= bound
+    reached = max(int(select_kept(torch.rand(at), [segments], [share], **kwargs).sum()) for _ in range(20))
+    if granularity == "token" or block_size == 1:
+        assert reached == bound  # tokens: the bound is exact
 
 
 def test_a_segment_split_over_chunks_is_cut_like_the_whole_one():

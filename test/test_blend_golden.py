@@ -112,13 +112,15 @@ def test_outputs_match_the_first_implementation(arch, golden):
 AUTHOR_SHIFTS = (9, -3, 40)  # where a Master's author wrote it, relative to where the reader reads it
 
 
-def zero_copy_batch(rows: list[RequestRow], pool: DenseKV, spec: RopeSpec
+def zero_copy_batch(rows: list[RequestRow], pool: DenseKV, spec: RopeSpec, options: BlendOptions | None = None
                     ) -> tuple[list[RequestRow], DenseKV, torch.Tensor, ShiftedReads]:
     """The same batch read in place: every reused token's KV moved to a Master slot past the
     pool's, written by its author at another position (run k at the reader's position minus
     AUTHOR_SHIFTS[k % 3], never below 0: K rotated there, the slot's frame), the rows pointing
-    there, each reused position's own slot (left empty) in `own`; and the reads at a shift
-    over the slots' frames (every other slot written at its position in its row)."""
+    there, own slots (left empty) in `own`: as many as `options` let the row keep
+    (`BlendOptions.most_kept`; every reused position's, None), the first of the reused
+    positions' slots; and the reads at a shift over the slots' frames (every other slot
+    written at its position in its row)."""
     masters = torch.cat([row.slots[row.prefix_len + r.start:row.prefix_len + r.end] for row in rows
                          for r in row.reused])
     size = pool.k.shape[1]
@@ -141,8 +143,35 @@ def zero_copy_batch(rows: list[RequestRow], pool: DenseKV, spec: RopeSpec
             frames.record(mine, written)
             slots[at] = mine
             used, runs = used + n, runs + 1
-        moved.append(dataclasses.replace(row, slots=slots, own=torch.cat(own) if own else None))
+        own = torch.cat(own) if own else None
+        if own is not None and options is not None:
+            runs = [ReusedRun(*r) for r in row.reused]
+            own = own[:row.kept.sum() if row.kept is not None else
+                      options.most_kept(runs, row.max_approximate, row.group is not None)]
+        moved.append(dataclasses.replace(row, slots=slots, own=own))
     return moved, out, master_slots, ShiftedReads(spec, frames)
+
+
+def kept_in_own_slots(rows: list[RequestRow], zero_rows: list[RequestRow], kept: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where zero copy computed the kept tokens (`kept`, a mask over the batch's reused tokens):
+    each row's first own slots, one per kept token in run order; where the copying run
+    (`rows`) computed them (their row slots); their row positions; and the own slots left over."""
+    at, own, copied, held_at, spare = 0, [], [], [], []
+    for row, zero in zip(rows, zero_rows):
+        positions = torch.cat([torch.arange(r.start, r.end) for r in row.reused]) + row.prefix_len \
+            if row.reused else torch.zeros(0, dtype=torch.int64)
+        mine = kept[at:at + positions.numel()]
+        at += positions.numel()
+        if zero.own is None:
+            continue
+        count = int(mine.sum())
+        assert count <= zero.own.numel()
+        own.append(zero.own[:count])
+        spare.append(zero.own[count:])
+        copied.append(row.slots[positions[mine]])
+        held_at.append(positions[mine])
+    return torch.cat(own).long(), torch.cat(copied).long(), torch.cat(held_at).int(), torch.cat(spare).long()
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
@@ -155,10 +184,10 @@ def test_zero_copy_reads_masters_in_place_and_writes_only_kept_tokens(arch):
     model = tiny(arch)
     ids, positions, rows, pool = batch(model)
     spec = RopeSpec.from_hf_config(model.lm.config)
-    zero_rows, zero_pool, master_slots, reads = zero_copy_batch(rows, pool, spec)
-    shifts = torch.cat([reads.shifts(row.slots) for row in zero_rows])
-    assert (shifts > 0).any() and (shifts < 0).any()  # Masters read above and below where they were written
     for name, (options, rule) in SCENARIOS.items():
+        zero_rows, zero_pool, master_slots, reads = zero_copy_batch(rows, pool, spec, options)
+        shifts = torch.cat([reads.shifts(row.slots) for row in zero_rows])
+        assert (shifts > 0).any() and (shifts < 0).any()  # Masters read above and below where they were written
         rule = rule and rule_named(rule)
         copied = pool.clone()
         want, want_stats = blended_prefill(model, copied, ids, positions, rows, options, rule)
@@ -174,10 +203,11 @@ def test_zero_copy_reads_masters_in_place_and_writes_only_kept_tokens(arch):
         assert torch.equal(kv.k[:, master_slots], zero_pool.k[:, master_slots]), name  # Masters untouched
         assert torch.equal(kv.v[:, master_slots], zero_pool.v[:, master_slots]), name
         kept = stats.kept if stats.kept is not None else torch.zeros(master_slots.numel(), dtype=torch.bool)
-        own = torch.cat([row.own for row in zero_rows if row.own is not None])
-        torch.testing.assert_close(kv.k[:, own[kept]], copied.k[:, own[kept]], atol=1e-5, rtol=1e-5, msg=name)
-        torch.testing.assert_close(kv.v[:, own[kept]], copied.v[:, own[kept]], atol=1e-5, rtol=1e-5, msg=name)
-        assert not kv.k[:, own[~kept]].any(), name  # a token not kept never writes its own slot
+        own, at, held_at, spare = kept_in_own_slots(rows, zero_rows, kept)
+        torch.testing.assert_close(kv.k[:, own], copied.k[:, at], atol=1e-5, rtol=1e-5, msg=name)
+        torch.testing.assert_close(kv.v[:, own], copied.v[:, at], atol=1e-5, rtol=1e-5, msg=name)
+        assert torch.equal(reads.frames.frame[own], held_at), name  # each recorded where it was computed
+        assert not kv.k[:, spare].any(), name  # an own slot no kept token took is never written
         fresh = torch.cat([row.slots[row.prefix_len:] for row in zero_rows])
         fresh = fresh[~torch.isin(fresh, master_slots)]
         torch.testing.assert_close(kv.k[:, fresh], copied.k[:, fresh], atol=1e-5, rtol=1e-5, msg=name)
@@ -236,15 +266,15 @@ def test_a_row_selected_before_its_forward_computes_its_kept_tokens_as_fresh_one
     if not options.sparse_writeback:
         return
     spec = RopeSpec.from_hf_config(model.lm.config)
-    zero_rows, zero_pool, master_slots, reads = zero_copy_batch(selected, pool, spec)
+    zero_rows, zero_pool, master_slots, reads = zero_copy_batch(selected, pool, spec, options)
+    assert zero_rows[0].own.numel() == int(given.sum())  # a row selected before owns a slot per kept token
     zero_kv = zero_pool.clone()
     zero_got, zero_stats = blended_prefill(model, zero_kv, ids, positions, zero_rows, options, rule, reads)
     torch.testing.assert_close(zero_got, got, atol=1e-5, rtol=1e-5)
     assert torch.equal(zero_stats.kept, stats.kept)
     assert torch.equal(zero_kv.k[:, master_slots], zero_pool.k[:, master_slots])  # Masters untouched
-    own = zero_rows[0].own[given]
-    torch.testing.assert_close(zero_kv.k[:, own], kv.k[:, rows[0].slots[rows[0].prefix_len:][
-        torch.cat([torch.arange(r.start, r.end) for r in rows[0].reused])[given]]], atol=1e-5, rtol=1e-5)
+    own, at, _, _ = kept_in_own_slots(selected, zero_rows, zero_stats.kept)
+    torch.testing.assert_close(zero_kv.k[:, own], kv.k[:, at], atol=1e-5, rtol=1e-5)
 
 
 def chunk_row(row: RequestRow, lo: int, hi: int, kept: torch.Tensor) -> tuple[RequestRow, torch.Tensor]:

@@ -231,7 +231,7 @@ def test_zero_copy_under_a_shared_probe_writes_kept_adopted_tokens_into_their_ow
     place, at a shift; the kept tokens -- the adopted ones caught up after the check included -- are
     computed into their own slots, exactly what the copying run writes there; Masters are
     never written."""
-    from test_blend_golden import zero_copy_batch
+    from test_blend_golden import kept_in_own_slots, zero_copy_batch
 
     together = Round(model)
     spec = RopeSpec.from_hf_config(model.lm.config)
@@ -239,15 +239,16 @@ def test_zero_copy_under_a_shared_probe_writes_kept_adopted_tokens_into_their_ow
     ids, positions = torch.cat(together.ids), torch.cat(together.positions)
     copied = pool.clone()
     want, want_stats = blended_prefill(model, copied, ids, positions, together.rows, SHARED_PROBE, RULE)
-    zero_rows, zero_pool, master_slots, reads = zero_copy_batch(together.rows, pool, spec)
+    zero_rows, zero_pool, master_slots, reads = zero_copy_batch(together.rows, pool, spec, SHARED_PROBE)
     kv = zero_pool.clone()
     got, stats = blended_prefill(model, kv, ids, positions, zero_rows, SHARED_PROBE, RULE, reads)
     assert stats.adopted_tokens > 0 and bool((stats.kept & stats.adopted).any())
     assert torch.equal(stats.kept, want_stats.kept) and stats.token_layers == want_stats.token_layers
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert torch.equal(kv.k[:, master_slots], zero_pool.k[:, master_slots])
-    own = torch.cat([row.own for row in zero_rows])
-    caught = own[stats.kept & stats.adopted]
-    torch.testing.assert_close(kv.k[:, caught], copied.k[:, caught], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(kv.v[:, own[stats.kept]], copied.v[:, own[stats.kept]], atol=1e-5, rtol=1e-5)
-    assert not kv.k[:, own[~stats.kept]].any()
+    own, at, _, spare = kept_in_own_slots(together.rows, zero_rows, stats.kept)
+    caught = (stats.kept & stats.adopted)[stats.kept]  # of the kept tokens, those that skipped the probe
+    assert caught.any()
+    torch.testing.assert_close(kv.k[:, own[caught]], copied.k[:, at[caught]], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kv.v[:, own], copied.v[:, at], atol=1e-5, rtol=1e-5)
+    assert not kv.k[:, spare].any()

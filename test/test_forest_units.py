@@ -302,9 +302,11 @@ def test_segment_copies_store_k_unrotated_and_restore_it_at_the_readers_position
 def mirror_forest(size: int = 64, rows: int = 4, diff_threshold: float = 0.0):
     """A forest under mirror storage over SGLang's RadixCache, our RefCountedAllocator and a
     req_to_token table (no model: zero-copy bookkeeping never touches the KV, the diff
-    threshold reads it: one layer, one head of 8 dims)."""
+    threshold reads it: one layer, one head of 8 dims), recomputing a quarter of each row's
+    reused tokens (3 of 12: its own slots there)."""
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
+    from sglang_tokendance.core.blend import BlendOptions
     from sglang_tokendance.core.rope import RopeSpec
     from sglang_tokendance.srt.forest import SegmentForest
     from sglang_tokendance.srt.kv_copy import PoolKeys
@@ -318,7 +320,7 @@ def mirror_forest(size: int = 64, rows: int = 4, diff_threshold: float = 0.0):
     params = CacheInitParams(disable=False, req_to_token_pool=table, token_to_kv_pool_allocator=allocator,
                              page_size=1, eviction_policy="lru")
     return SegmentForest(params, PoolKeys(RopeSpec(head_dim=8, rotary_dim=8, base=1e4)), reuse=True, zero_copy=True,
-                         diff_threshold=diff_threshold)
+                         blend=BlendOptions(recompute_ratio=0.25), diff_threshold=diff_threshold)
 
 
 class Req(SimpleNamespace):
@@ -326,17 +328,48 @@ class Req(SimpleNamespace):
 
 
 def reading_req(forest, pool_index: int, spans: list[SegmentSpan], prompt_len: int):
-    """A request SGLang just allocated, reading segment ids 100.. in each span: its row holds
-    fresh own slots for the whole prompt."""
+    """A request SGLang admitted, reading segment ids 100.. in each span, its row not
+    allocated yet (`allocation`)."""
     req = Req(**vars(fake_req(spans, prompt_len)))
     for span in spans:
         req.origin_input_ids[span.start:span.end] = range(100, 100 + span.end - span.start)
     req.__dict__.update(prefix_len=0, extend_end=prompt_len, last_node=None, lora_id=None, return_logprob=False,
                         logprob_start_len=-1, return_hidden_states=False, input_embeds=None,
                         multimodal_inputs=None, kv=SimpleNamespace(req_pool_idx=pool_index))
+    return req
+
+
+def allocated_req(forest, pool_index: int, spans: list[SegmentSpan], prompt_len: int):
+    """A request SGLang just allocated: its row holds fresh own slots for the whole prompt."""
+    req = reading_req(forest, pool_index, spans, prompt_len)
     forest.req_to_token_pool.req_to_token[pool_index, :prompt_len] = forest.token_to_kv_pool_allocator.alloc(
         prompt_len).to(torch.int32)
     return req
+
+
+def allocation(forest, reqs: list):
+    """SGLang's allocation of the batch `reqs` (alloc_for_extend at page size 1: one
+    alloc_token_slots call, through our AROUND hook, evicting as it must; the rows written
+    from its slots), for restore_segments; returns the slots (out_cache_loc)."""
+    from sglang.srt.mem_cache.allocation import alloc_token_slots
+
+    from sglang_tokendance.srt.forest import allocate_after_reads
+
+    def allocate() -> torch.Tensor:
+        out = allocate_after_reads(alloc_token_slots, forest, sum(r.extend_end - r.prefix_len for r in reqs))
+        at = 0
+        for r in reqs:
+            n = r.extend_end - r.prefix_len
+            forest.req_to_token_pool.req_to_token[r.kv.req_pool_idx, r.prefix_len:r.extend_end] = out[at:at + n]
+            at += n
+        return out
+
+    return allocate
+
+
+def restore(forest, reqs: list) -> torch.Tensor:
+    """Plan, allocate and read in the batch `reqs` as SGLang's prepare_for_extend would."""
+    return forest.restore_segments(SimpleNamespace(reqs=reqs), allocation(forest, reqs))
 
 
 def release(forest, req, prompt_len: int) -> None:
@@ -347,6 +380,10 @@ def release(forest, req, prompt_len: int) -> None:
 
 
 def test_zero_copy_rows_read_one_master_at_different_offsets_and_free_only_their_own_slots():
+    """Two rows read one Master at different offsets: the batch's allocation gives each its
+    fresh slots and one own slot per token it can keep (3 of its 12 reused), not one per
+    prompt token; the reused positions read the Master; after the forward a kept token's own
+    slot joins its row, the others are freed; the pool's accounting holds throughout."""
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
     forest = mirror_forest()
@@ -358,11 +395,14 @@ def test_zero_copy_rows_read_one_master_at_different_offsets_and_free_only_their
     master = forest.segments.entries[((None, None), "a")].slots
     first = reading_req(forest, 1, [SegmentSpan(2, 14, "a")], 20)
     second = reading_req(forest, 2, [SegmentSpan(5, 17, "a")], 20)
-    own = {i: rows[i, :20].clone() for i in (1, 2)}
-    forest.restore_segments(SimpleNamespace(reqs=[first, second]), lambda: None)
+    out = restore(forest, [first, second])
+    assert allocator.available_size() == 64 - 12 - 2 * (8 + 3)  # 22 slots for 40 prompt tokens
     assert torch.equal(rows[1, 2:14].long(), master) and torch.equal(rows[2, 5:17].long(), master)  # shared
+    assert not out[2:14].any() and not out[20 + 5:20 + 17].any()  # SGLang's forward writes no Master slot
     plans = {i: forest.planned[i] for i in (1, 2)}
-    assert torch.equal(plans[1].own, own[1][2:14].long()) and torch.equal(plans[2].own, own[2][5:17].long())
+    own = {i: plans[i].own.clone() for i in (1, 2)}
+    assert own[1].numel() == own[2].numel() == 3
+    assert not torch.isin(torch.cat([own[1], own[2]]), rows[1:3, :20].long()).any()  # aside, in no row yet
     assert forest.evictable_size() == 0 and forest.stats()["row_references"] == 24
     busy_check = lambda: (allocator.available_size() + forest.evictable_size() + forest.protected_size()  # noqa: E731
                           + 2 * 20)  # SGLang's, counting both rows' 20 positions as theirs
@@ -373,8 +413,8 @@ def test_zero_copy_rows_read_one_master_at_different_offsets_and_free_only_their
     # the second reads the Master everywhere (ratio 0)
     forest.settle([forest.planned.pop(1), forest.planned.pop(2)], torch.cat([kept, torch.zeros(12, dtype=torch.bool)]),
                   None)
-    assert rows[1, 2] == own[1][2] and rows[1, 7] == own[1][7] and torch.equal(rows[1, 3:7].long(), master[1:5])
-    assert allocator.available_size() == free_before + 10 + 12  # every own slot of a token not kept
+    assert rows[1, 2] == own[1][0] and rows[1, 7] == own[1][1] and torch.equal(rows[1, 3:7].long(), master[1:5])
+    assert allocator.available_size() == free_before + 1 + 3  # every own slot no kept token took
     assert busy_check() == 64
     stats = forest.stats()
     assert (stats["row_references"], stats["pinned_segments"], stats["master_tokens"]) == (22, 1, 12)
@@ -389,22 +429,30 @@ def test_zero_copy_rows_read_one_master_at_different_offsets_and_free_only_their
 
 
 def test_a_forward_that_computes_everything_gives_every_reused_position_its_own_slot_back():
+    """A planned row whose forward cannot blend (never expected: restore_segments plans no such
+    batch), or whose plan outlived a forward that never ran: every reused position gets a slot
+    of its own (its kept-token slots, then new ones, frames recorded) and drops its Master; the
+    forward's out_cache_loc writes there, never to a Master or the padding slot."""
     forest = mirror_forest()
     allocator, rows = forest.token_to_kv_pool_allocator, forest.req_to_token_pool.req_to_token
     author = allocator.alloc(12)
     forest.storage.cache(((None, None), "a"), list(range(100, 112)), author.to(torch.int32), 0, 12)
+    master = forest.segments.entries[((None, None), "a")].slots
     req = reading_req(forest, 1, [SegmentSpan(0, 12, "a")], 16)
-    own = rows[1, :16].clone()
-    forest.restore_segments(SimpleNamespace(reqs=[req]), lambda: None)
+    out = restore(forest, [req])
     batch = SimpleNamespace(req_pool_indices_cpu=torch.tensor([1]), extend_prefix_lens_cpu=[0],
-                            extend_seq_lens_cpu=[16])
+                            extend_seq_lens_cpu=[16], out_cache_loc=out.clone())
     assert forest.take_plans(batch, blendable=False) is None and not forest.planned  # SGLang's forward runs
-    assert torch.equal(rows[1, :16], own) and forest.stats()["row_references"] == 0
+    assert torch.equal(rows[1, :16].long(), batch.out_cache_loc.long()) and forest.stats()["row_references"] == 0
+    assert batch.out_cache_loc.all() and not torch.isin(batch.out_cache_loc, master).any()
+    assert torch.equal(allocator.frames.frame[batch.out_cache_loc[:12]], torch.arange(12, dtype=torch.int32))
     assert req.customized_info[REUSE_INFO_KEY][0]["recomputed_tokens"] == 12
-    forest.restore_segments(SimpleNamespace(reqs=[req]), lambda: None)  # planned again, the forward never ran
+    stale = reading_req(forest, 2, [SegmentSpan(0, 12, "a")], 16)
+    restore(forest, [stale])  # planned, and its forward never ran
     forest.restore_segments(SimpleNamespace(reqs=[]), lambda: None)
-    assert torch.equal(rows[1, :16], own) and forest.stats()["pinned_segments"] == 0
+    assert torch.isin(rows[2, :16].long(), master).sum() == 0 and forest.stats()["pinned_segments"] == 0
     release(forest, req, 16)
+    release(forest, stale, 16)
     allocator.free(author)
     assert forest.evictable_size() == 12 == 64 - allocator.available_size()
 
@@ -426,7 +474,7 @@ def test_a_master_shared_with_the_tree_is_counted_once_and_outlives_the_trees_le
     slots, tree = leaf_held_by_a_master(forest, "t", accessed=1.0)
     assert forest.evictable_size() == 10 and 64 - allocator.available_size() == 10  # one slot, one count
     reader = reading_req(forest, 1, [SegmentSpan(0, 10, "t")], 12)
-    forest.restore_segments(SimpleNamespace(reqs=[reader]), lambda: None)
+    restore(forest, [reader])
     forest.settle([forest.planned.pop(1)], None, None)
     assert forest.evictable_size() == 0  # the tree's leaf is evictable, but its slots stay with the reader
     assert allocator.available_size() + forest.evictable_size() + forest.protected_size() + 12 == 64
@@ -438,14 +486,11 @@ def test_a_master_shared_with_the_tree_is_counted_once_and_outlives_the_trees_le
     assert not forest.segments.entries
 
 
-def test_allocating_a_batch_evicts_the_segments_it_will_read_last():
-    """A round admitted at once on a short pool: SGLang's allocation may evict (inside the
-    AROUND hook on prepare_for_extend); the segment the batch reads goes only after every
-    other evictable item, and still goes when nothing else is left (SGLang's budget holds)."""
-    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-
-    from sglang_tokendance.srt.forest import restore_after_allocation
-
+def test_allocating_a_mirror_batch_never_evicts_the_masters_it_reads():
+    """A round admitted on a short pool (mirror storage): the batch holds the Masters it reads
+    before SGLang's allocation evicts, so that eviction takes everything else first and never
+    them; where even that leaves too little, the rows give their reads up and SGLang allocates
+    every token a slot as it would (evicting the Master, now read by none)."""
     forest = mirror_forest()
     allocator = forest.token_to_kv_pool_allocator
     for name, accessed in (("read", 1.0), ("other", 2.0)):  # the one the batch reads is used least recently
@@ -454,13 +499,47 @@ def test_allocating_a_batch_evicts_the_segments_it_will_read_last():
         allocator.free(author)
         forest.segments.entries[((None, None), name)].last_access_time = accessed
     add_leaf(forest, [7, 8, 9, 10], int(allocator.alloc(4)[0]), accessed=0.5, created=0.5)
+    filler = allocator.alloc(31)  # a live request's: 5 slots are free
+    req = reading_req(forest, 1, [SegmentSpan(2, 14, "read")], 20)
+    restore(forest, [req])  # 8 fresh + 3 own slots: the leaf and "other" go
+    assert list(forest.segments.entries) == [((None, None), "read")] and forest.planned[1].runs
+    forest.settle([forest.planned.pop(1)], None, None)
+    release(forest, req, 20)
+
+    allocator.free(filler)
+    filler = allocator.alloc(64 - 12 - 10)  # 10 free, the Master alone evictable: 11 do not fit beside it
+    req = reading_req(forest, 1, [SegmentSpan(2, 14, "read")], 20)
+    restore(forest, [req])
+    assert not forest.segments.entries and 1 not in forest.planned  # nothing else left: computed
+    counts = req.customized_info[REUSE_INFO_KEY][0]
+    assert (counts["reused_tokens"], counts["computed_tokens"]) == (0, 20)
+    assert forest.stats()["row_references"] == 0 and allocator.available_size() == 2
+    release(forest, req, 20)
+
+
+def test_allocating_a_dense_batch_evicts_the_segments_it_will_read_last():
+    """Dense storage (copies): SGLang's allocation may evict (inside the AROUND hook on
+    prepare_for_extend); the segment the batch reads goes only after every other evictable
+    item, and still goes when nothing else is left (SGLang's budget holds)."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    from sglang_tokendance.srt.forest import restore_after_allocation
+
+    forest = dense_forest(64)
+    allocator = forest.token_to_kv_pool_allocator
+    author = allocator.alloc(12)
+    for name, accessed in (("read", 1.0), ("other", 2.0)):  # the one the batch reads is used least recently
+        forest.storage.cache(((None, None), name), list(range(100, 112)), author.to(torch.int32), 0, 12)
+        forest.segments.entries[((None, None), name)].last_access_time = accessed
+    allocator.free(author)
+    add_leaf(forest, [7, 8, 9, 10], int(allocator.alloc(4)[0]), accessed=0.5, created=0.5)
     evicted = []
 
     def prepare_for_extend(batch, wanted: int):
         evicted.append(forest.evict(EvictParams(num_tokens=wanted)).num_tokens_evicted)
         return "allocated"
 
-    req = reading_req(forest, 1, [SegmentSpan(2, 14, "read")], 20)
+    req = allocated_req(forest, 1, [SegmentSpan(2, 14, "read")], 20)
     batch = SimpleNamespace(reqs=[req], tree_cache=forest)
     assert restore_after_allocation(prepare_for_extend, batch, 12) == "allocated"
     assert evicted == [4 + 12] and list(forest.segments.entries) == [((None, None), "read")]  # leaf, then other
@@ -468,7 +547,7 @@ def test_allocating_a_batch_evicts_the_segments_it_will_read_last():
     forest.settle([forest.planned.pop(1)], None, None)
     release(forest, req, 20)
 
-    req = reading_req(forest, 1, [SegmentSpan(2, 14, "read")], 20)
+    req = allocated_req(forest, 1, [SegmentSpan(2, 14, "read")], 20)
     restore_after_allocation(prepare_for_extend, SimpleNamespace(reqs=[req], tree_cache=forest), 1000)
     assert evicted[-1] == 12 and not forest.segments.entries and 1 not in forest.planned  # nothing else left
     counts = req.customized_info[REUSE_INFO_KEY][0]
@@ -488,7 +567,7 @@ def test_a_kept_row_is_matched_by_its_agent_alone_and_counted_once_per_slot():
     allocator = forest.token_to_kv_pool_allocator
 
     def finished(agent: str | None, tokens: list[int], pool_index: int):
-        req = reading_req(forest, pool_index, [], len(tokens))
+        req = allocated_req(forest, pool_index, [], len(tokens))
         req.sampling_params.custom_params = fake_req([], 0, **({"agent": agent} if agent else {})).sampling_params \
             .custom_params
         req.__dict__.update(full_untruncated_fill_ids=array("q", tokens), priority=None)
@@ -589,11 +668,11 @@ def test_a_round_leaders_blocks_supersede_a_master_that_live_rows_still_read():
     allocator.free(author)
     old = forest.segments.entries[key]
     reader = reading_req(forest, 1, [SegmentSpan(2, 14, "a")], 20)
-    forest.restore_segments(SimpleNamespace(reqs=[reader]), lambda: None)
+    restore(forest, [reader])
     forest.settle([forest.planned.pop(1)], None, None)  # the reader reads all 12 of the Master's slots
     forest.leads = lambda req: True
     leader = reading_req(forest, 2, [SegmentSpan(4, 16, "a")], 20)
-    forest.restore_segments(SimpleNamespace(reqs=[leader]), lambda: None)
+    restore(forest, [leader])
     state = forest.requests[leader]
     assert state.leads and not forest.planned and state.counts.reused_tokens == 0  # computed exactly
     forest.insert_segments(leader, state, up_to=20)
@@ -606,7 +685,7 @@ def test_a_round_leaders_blocks_supersede_a_master_that_live_rows_still_read():
     assert allocator.available_size() + forest.evictable_size() + forest.protected_size() + 20 + 8 == 64
     forest.leads = lambda req: False
     follower = reading_req(forest, 3, [SegmentSpan(0, 12, "a")], 14)
-    forest.restore_segments(SimpleNamespace(reqs=[follower]), lambda: None)
+    restore(forest, [follower])
     assert torch.equal(rows[3, :12].long(), new.slots)  # later readers read the leader's KV
     forest.settle([forest.planned.pop(3)], None, None)
     release(forest, reader, 20)
@@ -669,19 +748,20 @@ def test_recomputed_kv_within_the_diff_threshold_of_its_master_is_not_kept():
     forest.storage.cache(((None, None), "a"), list(range(100, 112)), author.to(torch.int32), 0, 12)
     allocator.free(author)
     reader = reading_req(forest, 1, [SegmentSpan(2, 14, "a")], 20)  # reads the Master at shift +2
-    forest.restore_segments(SimpleNamespace(reqs=[reader]), lambda: None)
+    restore(forest, [reader])
     plan = forest.planned.pop(1)
     own = plan.own.clone()
-    # what the blended prefill wrote for its two kept tokens: nearly the Master's KV, and far from it
+    # what the blended prefill wrote for its two kept tokens (its first two own slots): nearly the
+    # Master's KV, and far from it
     keys[own[0]], values[own[0]] = rotate(plain_k[0:1], torch.tensor([2]), spec)[0] * 1.01, plain_v[0] * 0.99
-    keys[own[5]], values[own[5]] = rotate(plain_k[5:6] + 1.0, torch.tensor([7]), spec)[0], plain_v[5]
+    keys[own[1]], values[own[1]] = rotate(plain_k[5:6] + 1.0, torch.tensor([7]), spec)[0], plain_v[5]
     kept = torch.zeros(12, dtype=torch.bool)
     kept[[0, 5]] = True
     free_before = allocator.available_size()
     forest.settle([plan], kept, None)
     master = forest.segments.entries[((None, None), "a")].slots
-    assert rows[1, 2] == master[0] and rows[1, 7] == own[5]
-    assert allocator.available_size() == free_before + 11  # every own slot but token 5's
+    assert rows[1, 2] == master[0] and rows[1, 7] == own[1]
+    assert allocator.available_size() == free_before + 2  # every own slot but token 5's
     counts = forest.requests[reader].counts
     assert (counts.recomputed_tokens, counts.within_threshold_tokens, counts.mirror_diff_tokens) == (2, 1, 1)
     release(forest, reader, 20)
@@ -701,17 +781,95 @@ def test_slots_freed_after_a_mirror_forward_reopen_sglangs_admission_once():
     author = allocator.alloc(12)
     forest.storage.cache(((None, None), "a"), list(range(100, 112)), author.to(torch.int32), 0, 12)
     req = reading_req(forest, 1, [SegmentSpan(0, 12, "a")], 16)
-    forest.restore_segments(SimpleNamespace(reqs=[req]), lambda: None)
+    restore(forest, [req])
     running = SimpleNamespace(batch_is_full=True)
     runtime.reopen_admission(None, running)
     assert running.batch_is_full  # nothing freed yet: the row holds its own slots until its forward ran
     kept = torch.zeros(12, dtype=torch.bool)
-    kept[:3] = True
+    kept[:2] = True
     forest.settle([forest.planned.pop(1)], kept, None)
     runtime.reopen_admission(None, running)
-    assert not running.batch_is_full  # nine own slots came free
+    assert not running.batch_is_full  # an own slot no kept token took came free
     running.batch_is_full = True  # SGLang's pass found the pool still short
     runtime.reopen_admission(None, running)
     assert running.batch_is_full
     release(forest, req, 16)
     allocator.free(author)
+
+
+def test_a_reader_admitted_is_charged_the_slots_it_will_allocate_and_holds_its_masters():
+    """Mirror storage: once SGLang's admission commits a reader (the AROUND hook on
+    PrefillAdder.add_one_req), its chunk is planned, its Masters are held (no longer evictable)
+    and the reservation of the reused tokens it will not keep goes back to the pass's budget;
+    the batch then takes that plan (counted once) and allocates exactly what stayed reserved.
+    A request the blended prefill cannot serve joins no batch with such a reader, and a reader
+    after one keeps SGLang's full charge."""
+    from sglang.srt.managers.schedule_policy import AddReqResult
+    from sglang.srt.mem_cache.prefill_budget import PrefillBudget
+
+    from sglang_tokendance.server_args import TokenDanceArgs
+    from sglang_tokendance.srt.runtime import SchedulerRuntime
+
+    runtime = SchedulerRuntime(TokenDanceArgs(storage="mirror"))
+    forest = runtime.forest = mirror_forest()
+    allocator = forest.token_to_kv_pool_allocator
+    author = allocator.alloc(12)
+    forest.storage.cache(((None, None), "a"), list(range(100, 112)), author.to(torch.int32), 0, 12)
+    allocator.free(author)  # the Master alone holds its 12 slots: evictable
+
+    def pass_():
+        budget = PrefillBudget(allocator, forest)
+        adder = SimpleNamespace(can_run_list=[], memory_budget=budget,
+                                budget_state=lambda: AddReqResult.CONTINUE if budget.has_capacity()
+                                else AddReqResult.NO_TOKEN)
+        return adder, budget
+
+    def add_one_req(adder, req, has_chunked_req, truncation_align_size):  # SGLang's commit, in short
+        req.extend_end = len(req.origin_input_ids)
+        adder.can_run_list.append(req)
+        adder.memory_budget.reserve(req.extend_end - req.prefix_len, 8)
+        return adder.budget_state()
+
+    adder, budget = pass_()
+    before = budget.remaining_total
+    reader = reading_req(forest, 1, [SegmentSpan(2, 14, "a")], 20)
+    asked = []
+
+    def check(adder, req, *, extend_input_len, total_tokens, **unused):  # SGLang's admission check
+        asked.append(total_tokens)
+        return total_tokens < budget.remaining_total, None
+
+    runtime.check_admission(check, adder, reader, extend_input_len=20, total_tokens=20 + 8)
+    # asked what it will take: 12 reused tokens but the 3 it can keep spared, the Master's 12
+    # evictable slots held (a look: nothing planned, counted or held yet)
+    assert asked == [20 + 8 - (12 - 3) + 12] and reader not in forest.requests and forest.evictable_size() == 12
+    assert runtime.admit(add_one_req, adder, reader, False, None) == AddReqResult.CONTINUE
+    # charged its 8 fresh + 3 own slots (and SGLang's page and decode headroom), the Master no longer evictable
+    assert before - budget.remaining_total == (8 + 3 + 1 + 8) + 12
+    assert forest.evictable_size() == 0 and forest.reads_admitted(reader)
+    wants_hidden = reading_req(forest, 2, [], 10)
+    wants_hidden.return_hidden_states = True
+    assert runtime.admit(add_one_req, adder, wants_hidden, False, None) == AddReqResult.OTHER
+    assert adder.can_run_list == [reader]
+    free_before = allocator.available_size()
+    restore(forest, [reader])
+    assert free_before - allocator.available_size() == 8 + 3  # what stayed reserved
+    counts = forest.requests[reader].counts
+    assert (counts.reused_tokens, counts.segment_hits) == (12, 1)  # planned once
+    forest.settle([forest.planned.pop(1)], None, None)
+
+    adder, budget = pass_()  # a request that cannot blend first: the reader after it pays SGLang's charge
+    assert runtime.admit(add_one_req, adder, wants_hidden, False, None) == AddReqResult.CONTINUE
+    second = reading_req(forest, 3, [SegmentSpan(0, 12, "a")], 16)
+    runtime.check_admission(check, adder, second, extend_input_len=16, total_tokens=16 + 8)
+    assert asked[-1] == 16 + 8  # SGLang's check: it would not be credited either
+    before = budget.remaining_total
+    runtime.admit(add_one_req, adder, second, False, None)
+    assert before - budget.remaining_total == 16 + 1 + 8 and not forest.reads_admitted(second)
+    restore(forest, [wants_hidden, second])
+    master = forest.segments.entries[((None, None), "a")].slots
+    rows = forest.req_to_token_pool.req_to_token
+    assert not forest.planned and not torch.isin(rows[3, :16].long(), master).any()  # SGLang's forward
+    for req, n in ((reader, 20), (wants_hidden, 10), (second, 16)):
+        release(forest, req, n)
+    assert forest.stats()["row_references"] == 0 and forest.evictable_size() == 12 == 64 - allocator.available_size()

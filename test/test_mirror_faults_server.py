@@ -217,6 +217,36 @@ def test_readers_are_admitted_as_the_forwards_before_them_free_their_slots(serve
         anchor.close()
 
 
+def test_a_rounds_readers_are_admitted_together_on_the_slots_they_take(server):
+    """SGLang reserves a slot for every extend token it admits; a reader allocates only its fresh
+    tokens and one slot per reused token it can keep, and once admitted it is charged only
+    that. So a round of six readers whose prompts and decode headroom need more slots than
+    are free or evictable is admitted in one prefill batch after its leader, and each reader's
+    row owns fewer slots than its reused positions."""
+    from test_rounds_server import Sent, record_of
+
+    assert requests.post(server + "/flush_cache", timeout=60).status_code == 200
+    post(server, SEP.join(["You are author 0.", *BLOCKS[:3], " Go:"]), 1)
+    anchor = Reader(server, 0, blocks=3)  # pins blocks 0-2 (their Masters no longer count as evictable)
+    try:
+        before = forest_stats(server)
+        size, new_tokens = 6, 32
+        sent = [Sent(server, agent_prompt(agent, 3), tokendance={"round": "wave", "round_size": size},
+                     sampling_params={"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True})
+                for agent in range(8, 8 + 8 * size, 8)]  # agents 8, 16, ...: blocks 0-2, as the anchor
+        for s in sent:
+            s.join()
+            assert s.result.status_code == 200, s.result.text
+        metas = [s.result.json()["meta_info"] for s in sent]
+        assert record_of(server, "wave")["admitted"] == [1, size - 1]  # the leader, then every reader at once
+        readers = [m for m in metas if m["tokendance"]["reused_tokens"] + m["tokendance"]["recomputed_tokens"]]
+        assert len(readers) == size - 1 and all(m["tokendance"]["mirror_compression"] > 1 for m in readers)
+        # SGLang's charge of whole prompts could not have admitted the leader and then the readers together
+        assert sum(m["prompt_tokens"] + new_tokens for m in metas) > before["free_tokens"] + before["evictable_tokens"]
+    finally:
+        anchor.close()
+
+
 def test_flush_waits_for_live_mirrors_then_frees_every_slot(server):
     cache_every_block(server)
     live = Reader(server, 2)

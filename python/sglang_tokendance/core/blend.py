@@ -68,7 +68,8 @@ import torch
 from sglang_tokendance.core.attention import Grid, attend, plan_grids
 from sglang_tokendance.core.collective import GroupRun, share_runs
 from sglang_tokendance.core.rope_attention import ShiftedReads
-from sglang_tokendance.core.selection import CheckState, ReusedSegment, SelectionRule, kept_share, select_kept
+from sglang_tokendance.core.selection import (CheckState, ReusedSegment, SelectionRule, kept_share, most_kept,
+                                              select_kept)
 
 
 class LayerwiseModel(Protocol):
@@ -133,6 +134,18 @@ class BlendOptions:
         return ((self.recompute_ratio > 0 or max_approximate is not None) and not self.keeps_everything
                 and self.group_selection == "per-request")
 
+    def most_kept(self, runs: Sequence[ReusedRun], max_approximate: int | None, grouped: bool = False) -> int:
+        """The most of one request's reused tokens (its `runs`) a blended prefill under these
+        options can keep -- compute into slots of the request's own -- known before the forward:
+        all of them at ratio 1 or where its round group may select shared segments together
+        (`grouped`, aligned selection), else what `select_kept` can keep at its share."""
+        reused = sum(run.end - run.start for run in runs)
+        if self.keeps_everything or (grouped and self.group_selection == "aligned"):
+            return reused
+        segments = [ReusedSegment(run.start, run.end, run.segment_offset) for run in runs]
+        return most_kept(segments, kept_share(self.recompute_ratio, reused, max_approximate),
+                         granularity=self.granularity, block_size=self.block_size, head_tokens=self.block_head_tokens)
+
     @property
     def keeps_everything(self) -> bool:
         """Ratio 1 keeps every reused token whatever the scores (unless a screen passes fewer):
@@ -189,9 +202,10 @@ class RequestRow:
 
     `own` (zero copy, Master-Mirror storage): the row's reused positions hold the cached
     segments' slots themselves (Masters, shared with other readers, never written here), and
-    `own` the request's own slots for those positions, one per reused token in run order.
-    A reused token the selection keeps is computed into its own slot, and reads from there;
-    the others read the Master. None: the row's slots are the request's own everywhere.
+    `own` the request's own slots for the reused tokens it keeps, at least as many as it can
+    keep (`BlendOptions.most_kept`): its i-th kept token, in run order, is computed into
+    own[i] (whose frame the forward records) and reads from there; the others read the
+    Master. None: the row's slots are the request's own everywhere.
 
     `kept` (a mask over its reused tokens, run order): the selection was made before this
     forward. None of its reused tokens is probed or scored; the kept ones are computed with
@@ -588,14 +602,13 @@ class _Batch:
         mask[self.reused] = reused
         return mask
 
-    def _own_locs(self) -> torch.Tensor | None:
-        """Each reused token's own slot (None: no request reads a Master in place); a request
-        without `own` owns the slots its row holds."""
+    def _own_locs(self) -> list[torch.Tensor] | None:
+        """Each request's own slots for the reused tokens it keeps (None: no request reads a
+        Master in place); a request without `own` owns the slots its row holds there."""
         if all(r.own is None for r in self.requests):
             return None
         reused_locs = self.locs[self.reused].split([sum(run.end - run.start for run in runs) for runs in self.runs])
-        return torch.cat([mine if r.own is None else r.own.to(torch.int64)
-                          for r, mine in zip(self.requests, reused_locs)])
+        return [mine if r.own is None else r.own.to(torch.int64) for r, mine in zip(self.requests, reused_locs)]
 
     def with_own_slots(self, kept: torch.Tensor) -> "_Batch":
         """This batch with the kept reused tokens (a mask over the reused ones) in their own
@@ -607,10 +620,22 @@ class _Batch:
         return moved
 
     def _move_to_own(self, kept: torch.Tensor) -> None:
-        """Point the kept reused tokens' `locs` and KV row entries at their own slots (copies)."""
+        """Point the kept reused tokens' `locs` and KV row entries at their own slots (copies):
+        each request's i-th kept token at its i-th own slot, its frame recorded (zero copy)."""
         rows = self.reused.nonzero().squeeze(1)[kept]
+        request = self.request[rows]
+        counts = torch.bincount(request, minlength=len(self.requests))
+        first = torch.cumsum(counts, 0) - counts  # each request's first kept token among `rows`
+        rank = torch.arange(rows.numel(), device=rows.device) - first[request]
+        short = [(b, int(counts[b]), mine.numel()) for b, mine in enumerate(self.own_locs) if counts[b] > mine.numel()]
+        if short:
+            raise ValueError("a request keeps more reused tokens than it has own slots for (request, kept, "
+                             f"own slots): {short}")
+        starts = torch.tensor([0] + [mine.numel() for mine in self.own_locs], device=rows.device).cumsum(0)
         self.locs = self.locs.clone()
-        self.locs[rows] = self.own_locs[kept]
+        self.locs[rows] = torch.cat(self.own_locs)[starts[request] + rank]
+        if self.reads is not None:
+            self.reads.frames.record(self.locs[rows], self.positions[rows])
         self.kv_rows = list(self.kv_rows)
         for b in self.request[rows].unique().tolist():
             mine = rows[self.request[rows] == b]

@@ -132,6 +132,19 @@ def kept_share(ratio: float, reused: int, max_approximate: int | None) -> float:
     return max(ratio, 1.0 - max_approximate / reused)
 
 
+def most_kept(segments: Sequence[ReusedSegment], share: float, *, granularity: str = "token",
+              block_size: int = 16, head_tokens: int = 0) -> int:
+    """The most tokens `select_kept` can keep of one request whose runs `segments` form its own
+    pool (none `shared`) at `share`: its head tokens, or its budget plus what the last unit
+    taken can overshoot it by (a block's tokens but one). Known before the forward, so the
+    request's own slots can be allocated for exactly that many (zero-copy storage)."""
+    runs = [(seg.offset, seg.end - seg.start) for seg in segments if seg.end > seg.start]
+    heads = sum(max(0, min(head_tokens, offset + n) - offset) for offset, n in runs)
+    budget = round(share * sum(n for _, n in runs))
+    unit = block_size if granularity == "block" else 1
+    return min(sum(n for _, n in runs), heads if budget <= heads else budget - 1 + unit)
+
+
 def select_kept(scores: torch.Tensor, requests: Sequence[Sequence[ReusedSegment]], ratios: Sequence[float], *,
                 granularity: str = "token", block_size: int = 16, head_tokens: int = 0) -> torch.Tensor:
     """Kept-token mask over the reused tokens (batch order, the order of the segments given),

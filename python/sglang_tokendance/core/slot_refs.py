@@ -107,13 +107,18 @@ class SlotRefs:
         loses its last lock (-1)."""
         self._add(self.locked, slots, delta)
 
-    def _evictable(self) -> torch.Tensor:
-        return (self.refs > 0) & (self.refs == self.tree + self.masters) & (self.locked == 0) & (self.pins == 0)
+    def _evictable(self, at: torch.Tensor | slice = slice(None)) -> torch.Tensor:
+        refs = self.refs[at]
+        return (refs > 0) & (refs == self.tree[at] + self.masters[at]) & (self.locked[at] == 0) & (self.pins[at] == 0)
 
     def evictable_slots(self) -> int:
         """Slots evicting every unlocked tree node and every unpinned Master would free: held
         by those alone (no live row's own or reading reference, no lock, no pin)."""
         return self._count("evictable", self._evictable)
+
+    def evictable_among(self, slots: torch.Tensor) -> int:
+        """How many of `slots` (each once) are evictable now (`evictable_slots`' test)."""
+        return int(self._evictable(slots.unique()).sum())
 
     def protected_slots(self) -> int:
         """Slots the tree or a Master holds that eviction cannot free now (locked, pinned, or

@@ -17,17 +17,20 @@ storages, over SGLang's pool with K rotated at each token's position (srt/kv_cop
 * dense: a segment is copied, K un-rotated, into new slots; reuse copies it back into the
   reading request's own slots, rotated to its positions.
 * mirror (srt/pool.RefCountedAllocator, every slot's frame recorded): zero copy. A segment takes a
-  reference on the request's own (or the tree's) slots; a reading row points its reused
-  positions at the Master's slots, taking a reference on each and pinning the Master (not
-  evictable while a live row reads it), and keeps the slots SGLang allocated there aside.
-  After the blended prefill (`settle`) a reused token it recomputed takes its own slot back
-  (the Mirror's diff); the others' own slots are freed. Each owner frees its own reference.
-  Reading rows see a Master's K at a shift (core/rope_attention): the blended prefill through
-  `reads`, later forwards through the `tokendance` attention backend (srt/attention.py).
+  reference on the request's own (or the tree's) slots; a reading row holds the Masters it
+  reads from its admission on (`admit`: a reference on each slot, the Master pinned, not
+  evictable while a live row reads it), is allocated only its fresh tokens and one own slot
+  per reused token it can keep (`allocate_extend`), and points its reused positions at the
+  Master's slots. After the blended prefill (`settle`) each token it recomputed has its own
+  slot in the row (the Mirror's diff); own slots no kept token took are freed. Each owner
+  frees its own reference. Reading rows see a Master's K at a shift (core/rope_attention):
+  the blended prefill through `reads`, later forwards through the `tokendance` attention
+  backend (srt/attention.py).
 
 Reuse wraps SGLang's allocation of a batch's slots (`restore_segments`, an AROUND hook on
 ScheduleBatch.prepare_for_extend): each request's chunk is planned first (srt/reuse.py,
-core/plan.py), the allocation's eviction takes the Masters those plans read last, then the
+core/plan.py; mirror storage: when SGLang's admission commits it), the allocation's eviction
+takes the Masters those plans read last (dense) or never (mirror: held), then the
 reused positions are restored as above; the model forward (srt/forward_hook.py) runs the
 blended prefill on the plans (a chunked prompt's first blended chunk choosing for the whole
 prompt first: `select_prompts`, srt/prompt_selection.py) and hands them back (`settle`).
@@ -98,7 +101,9 @@ class SegmentForest(KeptMirrors):
         self.sightings = Sightings() if exact_recurrence else None  # blocks to compute exactly where they recur
         self.requests: dict[object, RequestReuse] = {}  # SGLang's Req -> its reuse, until released
         self.planned: dict[int, ChunkPlan] = {}  # req_pool_idx -> its plan for the coming forward
-        self.wanted: set[int] = set()  # ids of the segments the batch being allocated will read
+        self.wanted: set[int] = set()  # ids of the segments the batch being allocated will read (dense)
+        # mirror storage: each extend length of the batch being allocated, with its plan where it reads
+        self.reading: list[tuple[int, ChunkPlan | None]] | None = None
         self.storage = MasterStorage(keys, params.token_to_kv_pool_allocator, params.req_to_token_pool,
                                      lambda tokens: self.evict(EvictParams(num_tokens=tokens)), zero_copy,
                                      diff_threshold)
@@ -197,51 +202,184 @@ class SegmentForest(KeptMirrors):
 
     def restore_segments(self, batch, allocate: Callable[[], Any]) -> Any:
         """Plan every request's chunk once, let SGLang allocate the batch's slots (`allocate`;
-        its result is returned), then give the planned rows their Masters' KV (srt/storage:
-        zero copy, or one copy for the batch -- none at ratio 1, which never reads it). While
-        SGLang allocates, evicting when the pool is short, the Masters the plans read are
-        evicted last, only when nothing else is left, so a round admitted at once keeps the
-        blocks it reads (SGLang's budget is unchanged: every segment stays evictable); a run
-        whose Master went even so is computed instead. Plans of a forward that never ran are
-        undone first."""
+        its result is returned), then give the planned rows their Masters' KV (srt/storage).
+        Plans of a forward that never ran are undone first.
+
+        Mirror storage: before the allocation each planned row holds the Masters it will read
+        (pinned, never evicted), and the allocation (`allocate_extend`) gives the batch only
+        the slots it will write -- its fresh tokens' and one per reused token its row can keep
+        -- so a reader's KV is its fresh and kept tokens from its first forward on.
+        Dense storage: SGLang allocates every extend token a slot; the Masters the plans read
+        are evicted last, only when nothing else is left (SGLang's budget is unchanged: every
+        segment stays evictable), and a run whose Master went even so is computed instead;
+        then one copy for the batch (none at ratio 1, which never reads it)."""
         for plan in self.planned.values():
             self.storage.revert(plan)
         self.planned.clear()
         plans = []
-        for req in batch.reqs if self.caches_segments else ():
+        admitted = [state.admitted for state in map(self.requests.get, batch.reqs) if state and state.admitted]
+        for state in map(self.requests.get, batch.reqs):
+            if state is not None:
+                state.admitted = None
+        if not _blendable(batch.reqs):  # (never with plans admitted: srt/runtime admits no such batch)
+            self._give_up(admitted)
+        for req in batch.reqs if self.caches_segments and _blendable(batch.reqs) else ():
             state = self._state_of(req)
             if state is None:
                 continue
-            plan = state.plan_chunk(self.segments, req.prefix_len, req.extend_end, self.group_of(req), self.cost,
-                                    self.max_approximate, self.planned_selection)
-            self.metrics.count_restore(plan.hits, plan.misses)
-            if plan.fell_back:
-                self.metrics.count_fallback(plan.fell_back)
+            plan = next((p for p in admitted if p.request is state), None) or self._plan(req, state)
             if plan.forwards:
                 plans.append((req, plan))
-        self.wanted = {id(run.master) for _, plan in plans for run in plan.runs}
-        try:
-            result = allocate()
-        finally:
-            self.wanted = set()
+        if self.zero_copy:
+            result = self._allocate_reading(batch, [plan for _, plan in plans], allocate)
+        else:
+            self.wanted = {id(run.master) for _, plan in plans for run in plan.runs}
+            try:
+                result = allocate()
+            finally:
+                self.wanted = set()
         for req, plan in plans:
-            plan.request.drop_evicted(plan, self.segments)
+            if not self.zero_copy:
+                plan.request.drop_evicted(plan, self.segments)
             if plan.forwards:
                 plan.pool_index = req.kv.req_pool_idx
                 self.planned[plan.pool_index] = plan
         self.storage.read_in(list(self.planned.values()), copying=not self.blend.keeps_everything)
         return result
 
+    def _plan(self, req, state: RequestReuse) -> ChunkPlan:
+        """The plan of `req`'s chunk [prefix_len, extend_end), counted (srt/reuse)."""
+        plan = state.plan_chunk(self.segments, req.prefix_len, req.extend_end, self.group_of(req), self.cost,
+                                self.max_approximate, self.planned_selection)
+        self.metrics.count_restore(plan.hits, plan.misses)
+        if plan.fell_back:
+            self.metrics.count_fallback(plan.fell_back)
+        return plan
+
+    def admit(self, req) -> int:
+        """SGLang's admission committed `req`'s chunk [prefix_len, extend_end) to the batch it
+        is building (mirror storage, srt/runtime): the chunk is planned now, once (the batch's
+        `restore_segments` takes this plan), and its row holds the Masters it will read --
+        pinned, so admitting the next requests no longer counts their slots evictable.
+        Returns the slots SGLang reserved that the row will not allocate: its reused tokens
+        but those it can keep."""
+        state = self._state_of(req) if self.zero_copy and self.caches_segments else None
+        if state is None or not state.can_reuse:
+            return 0
+        plan = state.admitted = self._plan(req, state)
+        if not plan.runs:
+            return 0
+        self.storage.hold_reads(plan)
+        return plan.reused_tokens - self._own_slots(plan)
+
+    def spared_slots(self, req) -> int:
+        """What SGLang's admission check of `req` (its whole remaining prompt) asks for beyond
+        what its row would take if admitted now (mirror storage): the reused tokens it would
+        not keep, less the slots its Masters would stop being evictable (held: `admit`); 0
+        for a request that would read none. A look: nothing is counted or kept."""
+        state = (self.requests.get(req) or self._new_state(req)) if self.zero_copy and self.caches_segments else None
+        if state is None or not state.can_reuse:
+            return 0
+        plan = state.would_read(self.segments, req.prefix_len, len(req.origin_input_ids), self.group_of(req),
+                                self.cost, self.max_approximate, self.planned_selection)
+        if not plan.runs:
+            return 0
+        masters = torch.cat([run.master.slots[run.segment_offset:run.segment_offset + len(run)] for run in plan.runs])
+        return plan.reused_tokens - plan.own_slots(self.blend) - self.token_to_kv_pool_allocator.refs.evictable_among(
+            masters)
+
+    def reads_admitted(self, req) -> bool:
+        """Whether `req` was admitted to the batch being built holding Masters (`admit`)."""
+        state = self.requests.get(req)
+        return state is not None and state.admitted is not None and bool(state.admitted.runs)
+
+    def _allocate_reading(self, batch, plans: list[ChunkPlan], allocate: Callable[[], Any]) -> Any:
+        """Mirror storage: SGLang's allocation of `batch` with the planned rows holding their
+        Masters (since their admission, or from now on; `allocate_extend` lays the slots out).
+        Rows whose allocation did not come through `allocate_extend` (never expected) read
+        nothing."""
+        reading = [plan for plan in plans if plan.runs]
+        for plan in reading:
+            if plan.prefix_len not in plan.request.read_slots:
+                self.storage.hold_reads(plan)
+        by_req = {id(plan.request.req): plan for plan in reading}
+        self.reading = [(req.extend_end - req.prefix_len, by_req.get(id(req))) for req in batch.reqs] \
+            if reading else None
+        try:
+            result = allocate()
+        except BaseException:
+            self._give_up(reading)
+            raise
+        finally:
+            laid_out, self.reading = self.reading is None, None
+        if not laid_out:
+            self._give_up(reading)
+        return result
+
+    def allocate_extend(self, allocate: Callable[[int], torch.Tensor], num_tokens: int) -> torch.Tensor:
+        """SGLang allocating the `num_tokens` extend slots of the batch `restore_segments` is
+        building (`allocate(n)`: its allocation of n slots, evicting as it must): the reused
+        positions of rows holding Masters get SGLang's padding slot 0 (the forest points them
+        at the Masters once the rows are written: nothing of the forward's own writes reaches a
+        Master, and no frame is recorded on one), and each such row gets its own slots for the
+        tokens it can keep (`ChunkPlan.own`). Where even that would not fit (the Masters pinned,
+        so not evictable), every row gives its reads up and SGLang allocates as it would."""
+        reading, self.reading = self.reading, None
+        if reading is None or sum(n for n, _ in reading) != num_tokens:
+            self.reading = reading  # not the extend allocation of the batch being built
+            return allocate(num_tokens)
+        shared, at = torch.zeros(num_tokens, dtype=torch.bool), 0
+        plans = [plan for _, plan in reading if plan is not None]
+        for extend_len, plan in reading:
+            if plan is not None:
+                shared[at + plan.positions(shared.device) - plan.prefix_len] = True
+            at += extend_len
+        spare = [self._own_slots(plan) for plan in plans]
+        fresh = num_tokens - int(shared.sum())
+        if fresh + sum(spare) > self.token_to_kv_pool_allocator.available_size() + self.evictable_size():
+            self._give_up(plans)
+            return allocate(num_tokens)
+        slots = allocate(fresh + sum(spare))
+        out = torch.zeros(num_tokens, dtype=slots.dtype, device=slots.device)
+        out[~shared.to(slots.device)] = slots[:fresh]
+        for plan, own in zip(plans, slots[fresh:].split(spare)):
+            plan.own = own.to(torch.int64)
+        return out
+
+    def _own_slots(self, plan: ChunkPlan) -> int:
+        """The own slots `plan`'s row needs for the reused tokens it can keep (srt/reuse
+        `ChunkPlan.own_slots`): a chunk that will choose for the rest of its prompt at its
+        forward (planned selection) may keep up to the whole rest's share in it."""
+        if not (self.planned_selection and needs_selection(plan, self.blend)):
+            return plan.own_slots(self.blend)
+        end, prompt_len = plan.prefix_len + plan.extend_len, len(plan.request.req.origin_input_ids)
+        return plan.own_slots(self.blend, plan.runs + plan.request.runs_in(self.segments, end, prompt_len).runs)
+
+    def _give_up(self, plans: list[ChunkPlan]) -> None:
+        """The rows of `plans` read no Master after all: their reused tokens are computed."""
+        for plan in plans:
+            if plan.request.read_slots.get(plan.prefix_len) is None:
+                continue
+            if plan.own is not None:
+                self.token_to_kv_pool_allocator.free(plan.own)
+                plan.own = None
+            self.storage.let_go(plan)
+            plan.request.compute_instead(plan, [])
+
     def _state_of(self, req) -> RequestReuse | None:
         state = self.requests.get(req)
-        if state is None and not is_lora(req):
-            agent_prefix = req.prefix_len if is_kept(req.last_node) else 0
-            state = RequestReuse.of(req, self.options(req), can_reuse=self.reuse and may_reuse(req),
-                                    agent_prefix=agent_prefix, sightings=self.sightings,
-                                    leads=self.reuse and self.leads(req))
+        if state is None:
+            state = self._new_state(req)
             if state is not None:
                 self.requests[req] = state
         return state
+
+    def _new_state(self, req) -> RequestReuse | None:
+        if is_lora(req):
+            return None
+        return RequestReuse.of(req, self.options(req), can_reuse=self.reuse and may_reuse(req),
+                               agent_prefix=req.prefix_len if is_kept(req.last_node) else 0,
+                               sightings=self.sightings, leads=self.reuse and self.leads(req))
 
     def take_plans(self, forward_batch, blendable: bool) -> list[ChunkPlan | None] | None:
         """The plans of an extend batch, in batch order, or None when no request reuses (then
@@ -251,7 +389,7 @@ class SegmentForest(KeptMirrors):
         expected) is computed in full the same way."""
         if not self.planned:  # the common case: nothing restored for this batch
             return None
-        plans = []
+        plans, at = [], 0
         for pool_index, prefix, extend in zip(forward_batch.req_pool_indices_cpu.tolist(),
                                               forward_batch.extend_prefix_lens_cpu,
                                               forward_batch.extend_seq_lens_cpu):
@@ -259,16 +397,19 @@ class SegmentForest(KeptMirrors):
             if plan is not None and (plan.prefix_len, plan.extend_len) != (prefix, extend):
                 logger.warning("TokenDance plan for [%d, +%d) met a chunk [%d, +%d); computing it in full",
                                plan.prefix_len, plan.extend_len, prefix, extend)
-                self._compute_in_full(plan)
+                self._compute_in_full(plan, forward_batch, at)
                 plan = None
-            plans.append(plan)
+            plans.append((plan, at))
+            at += extend
         for plan in self.planned.values():  # not in this forward (never expected)
             self.storage.revert(plan)
         self.planned.clear()
-        if not blendable:
-            for plan in filter(None, plans):
-                self._compute_in_full(plan)
+        if not blendable:  # (never expected: restore_segments plans no such batch)
+            for plan, at in plans:
+                if plan is not None:
+                    self._compute_in_full(plan, forward_batch, at)
             return None
+        plans = [plan for plan, _ in plans]
         return plans if any(plans) else None
 
     def select_prompts(self, plans: list[ChunkPlan], layers: SGLangLayers, pool: PoolKV) -> None:
@@ -302,9 +443,15 @@ class SegmentForest(KeptMirrors):
         for plan, (recomputed, adopted_tokens, own) in zip(plans, counts):
             self._record_recomputed(plan, recomputed, adopted_tokens, own)
 
-    def _compute_in_full(self, plan: ChunkPlan) -> None:
-        """SGLang's forward computes the plan's reused tokens, each into its own slot."""
-        self.storage.revert(plan)
+    def _compute_in_full(self, plan: ChunkPlan, forward_batch=None, at: int = 0) -> None:
+        """SGLang's forward computes the plan's reused tokens, each into its own slot (mirror
+        storage: the slots the forward writes, `forward_batch.out_cache_loc` from `at` on for
+        the plan's chunk, get them)."""
+        own = self.storage.revert(plan)
+        if own is not None and forward_batch is not None:
+            where = plan.positions(own.device) - plan.prefix_len + at
+            forward_batch.out_cache_loc[where.to(forward_batch.out_cache_loc.device)] = own.to(
+                forward_batch.out_cache_loc.device, forward_batch.out_cache_loc.dtype)
         self._record_recomputed(plan, plan.reused_tokens)
 
     def _record_recomputed(self, plan: ChunkPlan, recomputed: int, adopted: int = 0, own: int | None = None) -> None:
@@ -418,6 +565,7 @@ class SegmentForest(KeptMirrors):
         return {**self.segments.stats(self.bytes_per_token()),
                 "tree_tokens": self._tree_tokens(),
                 "tree_evictable_tokens": super().evictable_size(), "tree_protected_tokens": super().protected_size(),
+                "evictable_tokens": self.evictable_size(),
                 "pool_tokens": allocator.size, "free_tokens": allocator.available_size(),
                 "live_requests": len(self.requests), "agent_rows_kept": self.kept_rows,
                 **self.storage_counts()._asdict(),
@@ -460,6 +608,25 @@ def build_forest(ctx: TreeCacheBuildContext, options: Callable[[object], Request
                          exact_recurrence=args.exact_recurrence, cost=cost,
                          max_approximate=args.approximate_budget, diff_threshold=args.diff_threshold,
                          planned_selection=args.planned_selection)
+
+
+def blendable_request(req) -> bool:
+    """Whether the blended prefill can serve a batch holding `req` (srt/forward_hook.blendable,
+    known while SGLang builds the batch): it brings no input embeddings and wants no hidden
+    states (speculative decoding, which captures them too, is refused at launch)."""
+    return req.input_embeds is None and not req.return_hidden_states
+
+
+def _blendable(reqs) -> bool:
+    return all(map(blendable_request, reqs))
+
+
+def allocate_after_reads(alloc_token_slots, tree_cache, num_tokens: int, *args, **kwargs):
+    """AROUND hook on SGLang's `alloc_token_slots` (mirror storage): a batch whose rows read
+    Masters in place gets the slots they write only (SegmentForest.allocate_extend)."""
+    if not isinstance(tree_cache, SegmentForest) or tree_cache.reading is None:
+        return alloc_token_slots(tree_cache, num_tokens, *args, **kwargs)
+    return tree_cache.allocate_extend(lambda n: alloc_token_slots(tree_cache, n, *args, **kwargs), num_tokens)
 
 
 def restore_after_allocation(prepare_for_extend, batch, *args, **kwargs):

@@ -25,10 +25,14 @@ def register() -> None:
     runtime = SchedulerRuntime(args)
     _register_forest(runtime)
     if args.mirror_storage:
-        from sglang_tokendance.srt import pool
+        from sglang_tokendance.srt import forest, pool
 
         HookRegistry.register("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator."
                               "_build_token_to_kv_pool_allocator", pool.install_allocator, HookType.AFTER)
+        HookRegistry.register("sglang.srt.mem_cache.allocation.alloc_token_slots", forest.allocate_after_reads,
+                              HookType.AROUND)
+        for method, hook in (("add_one_req", runtime.admit), ("_check_prefill_budget", runtime.check_admission)):
+            HookRegistry.register(f"sglang.srt.managers.schedule_policy.PrefillAdder.{method}", hook, HookType.AROUND)
         HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill",
                               runtime.reopen_admission, HookType.BEFORE)
     _register_attention()

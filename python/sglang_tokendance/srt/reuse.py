@@ -23,7 +23,7 @@ from typing import Any, Hashable
 import torch
 from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
 
-from sglang_tokendance.core.blend import ProbeStates, RequestRow, ReusedRun
+from sglang_tokendance.core.blend import BlendOptions, ProbeStates, RequestRow, ReusedRun
 from sglang_tokendance.core.cost import PrefillCost
 from sglang_tokendance.core.segment_table import SegmentEntry, SegmentTable
 from sglang_tokendance.core.segments import SegmentSpan
@@ -74,7 +74,7 @@ class ChunkPlan:
     fell_back: int = 0  # matched tokens computed instead: blending the chunk would not pay (core/cost)
     max_approximate: int | None = None  # what the request's fidelity budget leaves this chunk (None: no bound)
     pool_index: int = -1  # the request's row in SGLang's req_to_token
-    own: torch.Tensor | None = None  # zero copy: the own slots of the reused positions, until settled
+    own: torch.Tensor | None = None  # zero copy: own slots for the reused tokens it keeps, until settled
 
     @property
     def reused_tokens(self) -> int:
@@ -110,6 +110,19 @@ class ChunkPlan:
         computed[self.positions(torch.device("cpu")) - self.prefix_len] = kept
         return self.request.selection.states_for(computed.nonzero().squeeze(1) + self.prefix_len)
 
+    def own_slots(self, options: BlendOptions, chooses_for: list[PlannedRun[SegmentEntry]] | None = None) -> int:
+        """Own slots its row needs at the reused positions (zero copy): one per token the
+        blended prefill can keep -- exactly its planned selection's kept tokens; else the most
+        `options` can keep of its runs (core/blend `BlendOptions.most_kept`), or, where the
+        chunk chooses for the rest of its prompt (`chooses_for`: the runs from the chunk to the
+        prompt's end, srt/prompt_selection), of those, at most its own."""
+        kept = self.kept()
+        if kept is not None:
+            return int(kept.sum())
+        most = options.most_kept([ReusedRun(r.start, r.end, r.segment_offset) for r in chooses_for or self.runs],
+                                 self.max_approximate, self.group is not None)
+        return min(most, self.reused_tokens)
+
     def request_row(self, slots: torch.Tensor) -> RequestRow:
         """The chunk as core/blend takes it, over the request's KV row `slots`: its runs relative
         to the chunk's first token, its round group, own slots and fidelity budget; under a
@@ -138,6 +151,7 @@ class RequestReuse:
     reading: list[SegmentEntry] = field(default_factory=list)  # Masters the row reads in place (pinned)
     read_slots: dict[int, torch.Tensor] = field(default_factory=dict)  # chunk start -> Master slots its row reads
     selection: PromptSelection | None = None  # the whole prompt's recomputed tokens (planned selection)
+    admitted: ChunkPlan | None = None  # its chunk's plan, made at admission, for the batch being built (mirror)
     _looked_up: set[int] = field(default_factory=set)  # spans counted as a hit or a miss
 
     @property
@@ -196,6 +210,29 @@ class RequestReuse:
         unchunked prefill would weigh it. Under a planned selection the chunk reads only the runs
         it covered (a span cached since is computed) and recomputes its part of it; its cost was
         weighed when it was made."""
+        plan, looked_up = self._chunk_plan(table, prefix_len, extend_end, group, cost, max_approximate, plan_ahead)
+        self._looked_up.update(looked_up)
+        reused = plan.reused_tokens
+        if plan.runs:
+            self.first_reused = min(self.first_reused, plan.runs[0].start)
+        self.counts.reused_tokens += reused
+        self.counts.computed_tokens += plan.extend_len - reused
+        self.counts.segment_hits += plan.hits
+        self.counts.segment_misses += plan.misses
+        self.counts.cost_fallback_tokens += plan.fell_back
+        self.publish()
+        return plan
+
+    def would_read(self, table: SegmentTable, prefix_len: int, extend_end: int, group: Hashable | None = None,
+                   cost: PrefillCost | None = None, max_approximate: int | None = None,
+                   plan_ahead: bool = False) -> ChunkPlan:
+        """The plan `plan_chunk` would make now, nothing counted or kept (admission's estimate)."""
+        return self._chunk_plan(table, prefix_len, extend_end, group, cost, max_approximate, plan_ahead)[0]
+
+    def _chunk_plan(self, table: SegmentTable, prefix_len: int, extend_end: int, group: Hashable | None,
+                    cost: PrefillCost | None, max_approximate: int | None, plan_ahead: bool
+                    ) -> tuple[ChunkPlan, list]:
+        """`plan_chunk`'s plan, and the spans it looked up."""
         allowance = self.allowance(max_approximate)
         runs = self.runs_in(table, prefix_len, extend_end)
         if self.selection is not None:
@@ -210,17 +247,7 @@ class RequestReuse:
         plan = ChunkPlan(self, prefix_len, extend_end - prefix_len, runs.runs, group=group, fell_back=fell_back,
                          max_approximate=allowance,
                          hits=len(set(runs.found) - self._looked_up), misses=len(set(runs.missed) - self._looked_up))
-        self._looked_up.update(runs.found + runs.missed)
-        reused = plan.reused_tokens
-        if plan.runs:
-            self.first_reused = min(self.first_reused, plan.runs[0].start)
-        self.counts.reused_tokens += reused
-        self.counts.computed_tokens += plan.extend_len - reused
-        self.counts.segment_hits += plan.hits
-        self.counts.segment_misses += plan.misses
-        self.counts.cost_fallback_tokens += fell_back
-        self.publish()
-        return plan
+        return plan, runs.found + runs.missed
 
     def allowance(self, max_approximate: int | None) -> int | None:
         """What is left of the fidelity budget (`max_approximate`, the server's; the request's
@@ -242,9 +269,13 @@ class RequestReuse:
 
     def drop_evicted(self, plan: ChunkPlan, table: SegmentTable) -> None:
         """Runs of `plan` whose Master the batch's allocation evicted after all (nothing else
-        was left to free) are computed instead. `first_reused` stays as planned: the tree then
-        receives less than it could, never approximate KV."""
-        runs = [run for run in plan.runs if table.entries.get(run.master.key) is run.master]
+        was left to free) are computed instead (dense storage)."""
+        self.compute_instead(plan, [run for run in plan.runs if table.entries.get(run.master.key) is run.master])
+
+    def compute_instead(self, plan: ChunkPlan, runs: list[PlannedRun[SegmentEntry]]) -> None:
+        """`plan` reads only `runs` (some of its own): the others' tokens are computed.
+        `first_reused` stays as planned: the tree then receives less than it could, never
+        approximate KV."""
         lost = plan.reused_tokens - sum(len(run) for run in runs)
         if lost:
             plan.runs = runs

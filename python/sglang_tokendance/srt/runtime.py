@@ -53,6 +53,49 @@ class SchedulerRuntime:
         if self.forest is not None and self.forest.storage.freed_after_forwards():
             running_batch.batch_is_full = False
 
+    def admit(self, add_one_req, adder, req, *args, **kwargs):
+        """AROUND hook on `PrefillAdder.add_one_req` (mirror storage). SGLang reserves a slot for
+        every extend token it admits; a reader allocates only its fresh tokens and one slot per
+        reused token it can keep (srt/forest `allocate_extend`). So once SGLang commits a
+        request, the forest plans its chunk and holds its Masters (`admit`: no longer
+        evictable), and the slots it will not allocate go back to this pass's budget: the
+        round's next readers are admitted on what the first ones really take. A request the
+        blended prefill cannot serve (srt/forest `blendable_request`) never joins a batch with
+        such a reader (SGLang would compute the reader's tokens in full, beyond what was
+        reserved): it waits for the next batch, or the readers after it keep SGLang's charge."""
+        from sglang.srt.managers.schedule_policy import AddReqResult
+
+        from sglang_tokendance.srt.forest import blendable_request
+
+        forest, batch = self.forest, adder.can_run_list
+        if forest is None:
+            return add_one_req(adder, req, *args, **kwargs)
+        if not blendable_request(req) and any(map(forest.reads_admitted, batch)):
+            return AddReqResult.OTHER
+        admitted = len(batch)
+        verdict = add_one_req(adder, req, *args, **kwargs)
+        if len(batch) == admitted or not all(map(blendable_request, batch)):
+            return verdict
+        unallocated = forest.admit(req)
+        if not unallocated:
+            return verdict
+        budget = adder.memory_budget  # reserve() charges extend + one page + extra: this charges -unallocated
+        budget.reserve(0, 0, extra_tokens=-(unallocated + budget.page_size))
+        return adder.budget_state()
+
+    def check_admission(self, check, adder, req, *args, total_tokens: int, **kwargs):
+        """AROUND hook on `PrefillAdder._check_prefill_budget` (mirror storage): SGLang checks
+        a waiting request against its whole remaining prompt and decode headroom; a reader is
+        checked against what it would take (srt/forest `spared_slots`), under the same
+        condition `admit` credits it (no request the blended prefill cannot serve in the
+        batch)."""
+        from sglang_tokendance.srt.forest import blendable_request
+
+        forest = self.forest
+        if forest is not None and all(map(blendable_request, [*adder.can_run_list, req])):
+            total_tokens -= forest.spared_slots(req)
+        return check(adder, req, *args, total_tokens=total_tokens, **kwargs)
+
     def model_forward(self, original, model, input_ids, positions, forward_batch, *args, **kwargs):
         """AROUND hook on the decoder forwards (srt/model.FORWARD_HOOK_TARGETS)."""
         return forward_hook.model_forward(self.forest, original, model, input_ids, positions, forward_batch,

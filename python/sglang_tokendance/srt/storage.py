@@ -7,12 +7,13 @@ pool that reuse needs (the pool keeps K rotated at each token's position, srt/kv
 * dense: a Master is a copy, K un-rotated, in slots of its own; a reading row gets the KV
   copied into its own slots, rotated to its positions.
 * mirror (srt/pool.RefCountedAllocator): zero copy. A Master takes a reference
-  on the writer's (or the tree's) slots; a reading row points its reused positions at the
-  Master's slots (a reference each, the Master pinned: never evicted while read), and keeps
-  the slots SGLang allocated there aside in its ChunkPlan until the forward has run
-  (`settle_row`: a kept token takes its own slot back, the Mirror's diff; the rest are freed).
-  The Master's K stays where its author rotated it (the slots' frames): readers read it at a
-  shift (core/rope_attention).
+  on the writer's (or the tree's) slots; a reading row holds the Master's slots before its
+  batch is allocated (`hold_reads`: a reference each, the Master pinned: never evicted while
+  read), is allocated only one own slot per reused token it can keep (srt/forest), points its
+  reused positions at the Master's slots (`read_in`), and keeps its own slots aside in its
+  ChunkPlan until the forward has run (`settle_row`: each kept token's slot joins the row,
+  the Mirror's diff; the rest are freed). The Master's K stays where its author rotated it
+  (the slots' frames): readers read it at a shift (core/rope_attention).
 
 Each request's state (srt/reuse.RequestReuse) records the Masters its row reads, so
 `release` drops exactly its references and pins.
@@ -124,20 +125,37 @@ class MasterStorage:
 
     # --- rows reading Masters ---------------------------------------------------------------
 
+    def hold_reads(self, plan: ChunkPlan) -> None:
+        """Before the batch's slots are allocated (zero copy): the plan's row will read its
+        Masters in place -- a reference on every slot it reads, every Master pinned, so the
+        allocation's eviction cannot take them."""
+        plan.request.read_slots[plan.prefix_len] = torch.cat(
+            [run.master.slots[run.segment_offset:run.segment_offset + len(run)] for run in plan.runs])
+        self.allocator.read(plan.request.read_slots[plan.prefix_len])
+        for run in plan.runs:
+            self._pin(run.master)
+            plan.request.reading.append(run.master)
+
+    def let_go(self, plan: ChunkPlan) -> None:
+        """Undo `hold_reads`: the row reads none of the plan's Masters after all."""
+        self.allocator.unread(plan.request.read_slots.pop(plan.prefix_len))
+        for run in plan.runs:
+            self._stop_reading(plan.request, run.master)
+
     def read_in(self, plans: list[ChunkPlan], copying: bool) -> None:
-        """The batch's planned rows get their Masters' KV: zero copy, each row points its reused
-        positions at the Masters' slots; dense storage, one copy for the whole batch, rotated
-        to the readers' positions (`copying` False: nothing reads it, e.g. ratio 1)."""
+        """After the batch's allocation, the planned rows get their Masters' KV: zero copy,
+        each row's reused positions (SGLang's padding slot until now, srt/forest) point at the
+        Masters' slots it holds; dense storage, one copy for the whole batch, rotated to the
+        readers' positions (`copying` False: nothing reads it, e.g. ratio 1)."""
         src, dst, positions = [], [], []
         for plan in plans:
             if not (self.zero_copy or copying) or not plan.runs:  # (a chunk that only resumes reads none)
                 continue
             row = self.req_to_token_pool.req_to_token[plan.pool_index]
-            masters = [run.master.slots[run.segment_offset:run.segment_offset + len(run)] for run in plan.runs]
             if self.zero_copy:
-                self._point_at_masters(plan, row, torch.cat(masters))
+                row[plan.positions(row.device)] = plan.request.read_slots[plan.prefix_len].to(row.dtype)
                 continue
-            src += masters
+            src += [run.master.slots[run.segment_offset:run.segment_offset + len(run)] for run in plan.runs]
             dst += [row[run.start:run.end].to(torch.int64) for run in plan.runs]
             positions.append(plan.positions(row.device))
         if src:
@@ -154,43 +172,35 @@ class MasterStorage:
             return self.reads.shift_(k, self.reads.shifts(slots, positions)), v
         return (self.keys.pooled(k, positions).to(k.dtype) if masters else k), v
 
-    def _point_at_masters(self, plan: ChunkPlan, row: torch.Tensor, masters: torch.Tensor) -> None:
-        """The row's reused positions read the Masters' slots in place (one reference each,
-        every Master pinned); the slots SGLang allocated there are kept aside in the plan."""
-        where = plan.positions(row.device)
-        plan.own = row[where].to(torch.int64)
-        row[where] = masters.to(row.dtype)
-        self.allocator.read(masters)
-        plan.request.read_slots[plan.prefix_len] = masters
-        for run in plan.runs:
-            self._pin(run.master)
-            plan.request.reading.append(run.master)
-
     def settle_row(self, plan: ChunkPlan, kept: torch.Tensor | None) -> torch.Tensor | None:
         """After the blended prefill (zero copy): the reused tokens it kept (`kept`, a mask
-        over the plan's reused tokens; None: none) were computed into their own slots, which
-        the row takes back -- but for those within the diff threshold of their Master, which
-        read the Master like the others; the others' own slots are freed. A Master none of
-        whose tokens the row still reads is unpinned. Returns the mask of the tokens that own
-        a slot now (None: none, or dense storage)."""
+        over the plan's reused tokens; None: none) were computed into the row's first own
+        slots, one each in run order (core/blend RequestRow.own), which the row takes -- but
+        for those within the diff threshold of their Master, which read the Master like the
+        others; the own slots left over are freed. A Master none of whose tokens the row still
+        reads is unpinned. Returns the mask of the tokens that own a slot now (None: none, or
+        dense storage)."""
         own, plan.own = plan.own, None
         if own is None:
             return None
+        count = 0 if kept is None else int(kept.sum())
+        held, mine = (None, own[:0]) if not count else (kept.nonzero().squeeze(1), own[:count])
+        spare = own[count:]
         masters = plan.request.read_slots[plan.prefix_len]
         row = self.req_to_token_pool.req_to_token[plan.pool_index]
         positions = plan.positions(row.device)
-        if kept is not None and self.diff_threshold > 0:
-            held, kept = kept.nonzero().squeeze(1), kept.clone()
-            kept[held] = ~self._within_threshold(own[held], masters[held], positions[held])
-        if kept is None or not bool(kept.any()):
-            self.allocator.free(own)
-            self._settled_free += own.numel()
+        if count and self.diff_threshold > 0:
+            close = self._within_threshold(mine, masters[held], positions[held])
+            kept = kept.clone()
+            kept[held[close]] = False
+            spare, held, mine = torch.cat([spare, mine[close]]), held[~close], mine[~close]
+        self.allocator.free(spare)
+        self._settled_free += spare.numel()
+        if held is None or not held.numel():
             return None
-        row[positions[kept]] = own[kept].to(row.dtype)
-        self.allocator.unread(masters[kept])  # the row's references
+        row[positions[held]] = mine.to(row.dtype)
+        self.allocator.unread(masters[held])  # the row's references
         plan.request.read_slots[plan.prefix_len] = masters[~kept]
-        self.allocator.free(own[~kept])
-        self._settled_free += int((~kept).sum())
         for run, part in zip(plan.runs, kept.split([len(run) for run in plan.runs])):
             if bool(part.all()):
                 self._stop_reading(plan.request, run.master)
@@ -217,17 +227,30 @@ class MasterStorage:
                 worst = torch.maximum(worst, gap)
         return worst <= self.diff_threshold
 
-    def revert(self, plan: ChunkPlan) -> None:
-        """Undo `_point_at_masters` before a forward that computes every token itself (or none
-        ran): each reused position gets its own slot back and drops its Master reference."""
+    def revert(self, plan: ChunkPlan) -> torch.Tensor | None:
+        """Undo the plan's reading before a forward that computes every token itself (or when
+        none ran): each reused position gets a slot of the row's own -- those allocated for
+        kept tokens, then new ones (evicting if it must; the frames recorded where SGLang's
+        forward will write them) -- and drops its Master reference. Returns the row's slots
+        at the reused positions (None: nothing was read)."""
         own, plan.own = plan.own, None
         if own is None:
-            return
+            return None
         row = self.req_to_token_pool.req_to_token[plan.pool_index]
-        row[plan.positions(row.device)] = own.to(row.dtype)
-        self.allocator.unread(plan.request.read_slots.pop(plan.prefix_len))
-        for run in plan.runs:
-            self._stop_reading(plan.request, run.master)
+        where = plan.positions(row.device)
+        missing = where.numel() - own.numel()
+        if missing > 0:
+            more = self._alloc_evicting(missing)
+            if more is None:
+                raise RuntimeError(f"Out of memory: {missing} KV slots are needed to compute reused tokens "
+                                   "whose forward cannot blend")
+            own = torch.cat([own, more.to(own.dtype)])
+        self.allocator.free(own[where.numel():])
+        own = own[:where.numel()]
+        row[where] = own.to(row.dtype)
+        self.allocator.frames.record(own, where)
+        self.let_go(plan)
+        return own
 
     def release(self, state: RequestReuse, plans: list[ChunkPlan]) -> None:
         """SGLang released the request and freed its row (the Master references in it): drop
