@@ -216,20 +216,16 @@ class SegmentForest(KeptMirrors):
         for plan in self.planned.values():
             self.storage.revert(plan)
         self.planned.clear()
-        plans = []
-        admitted = [state.admitted for state in map(self.requests.get, batch.reqs) if state and state.admitted]
-        for state in map(self.requests.get, batch.reqs):
-            if state is not None:
-                state.admitted = None
-        if not _blendable(batch.reqs):  # (never with plans admitted: srt/runtime admits no such batch)
-            self._give_up(admitted)
-        for req in batch.reqs if self.caches_segments and _blendable(batch.reqs) else ():
-            state = self._state_of(req)
-            if state is None:
-                continue
-            plan = next((p for p in admitted if p.request is state), None) or self._plan(req, state)
-            if plan.forwards:
-                plans.append((req, plan))
+        plans, blendable = [], self.caches_segments and all(map(blendable_request, batch.reqs))
+        for req in batch.reqs:
+            state = self._state_of(req) if blendable else self.requests.get(req)
+            admitted = None if state is None else state.take_admitted()
+            if not blendable:  # (never with a plan admitted: srt/runtime admits no such batch)
+                self._give_up([admitted] if admitted else [])
+            elif state is not None:
+                plan = admitted or self._plan(req, state)
+                if plan.forwards:
+                    plans.append((req, plan))
         if self.zero_copy:
             result = self._allocate_reading(batch, [plan for _, plan in plans], allocate)
         else:
@@ -443,12 +439,12 @@ class SegmentForest(KeptMirrors):
         for plan, (recomputed, adopted_tokens, own) in zip(plans, counts):
             self._record_recomputed(plan, recomputed, adopted_tokens, own)
 
-    def _compute_in_full(self, plan: ChunkPlan, forward_batch=None, at: int = 0) -> None:
+    def _compute_in_full(self, plan: ChunkPlan, forward_batch, at: int) -> None:
         """SGLang's forward computes the plan's reused tokens, each into its own slot (mirror
         storage: the slots the forward writes, `forward_batch.out_cache_loc` from `at` on for
         the plan's chunk, get them)."""
         own = self.storage.revert(plan)
-        if own is not None and forward_batch is not None:
+        if own is not None:
             where = plan.positions(own.device) - plan.prefix_len + at
             forward_batch.out_cache_loc[where.to(forward_batch.out_cache_loc.device)] = own.to(
                 forward_batch.out_cache_loc.device, forward_batch.out_cache_loc.dtype)
@@ -615,10 +611,6 @@ def blendable_request(req) -> bool:
     known while SGLang builds the batch): it brings no input embeddings and wants no hidden
     states (speculative decoding, which captures them too, is refused at launch)."""
     return req.input_embeds is None and not req.return_hidden_states
-
-
-def _blendable(reqs) -> bool:
-    return all(map(blendable_request, reqs))
 
 
 def allocate_after_reads(alloc_token_slots, tree_cache, num_tokens: int, *args, **kwargs):

@@ -184,6 +184,11 @@ class RequestReuse:
                                                           req.prefix_len), req.prefix_len)
         return state
 
+    def take_admitted(self) -> ChunkPlan | None:
+        """The plan made at admission for the batch being built (mirror storage), handed over once."""
+        plan, self.admitted = self.admitted, None
+        return plan
+
     def compute_recurring(self, exact_until: int, prefix_len: int) -> None:
         """The spans that end by `exact_until` are computed, not reused, so the tree gets them exact."""
         self.reusable = [span for span in self.options.spans if span.end > exact_until]
