@@ -145,9 +145,9 @@ def zero_copy_batch(rows: list[RequestRow], pool: DenseKV, spec: RopeSpec, optio
             used, runs = used + n, runs + 1
         own = torch.cat(own) if own else None
         if own is not None and options is not None:
-            runs = [ReusedRun(*r) for r in row.reused]
+            reused = [ReusedRun(*r) for r in row.reused]
             own = own[:row.kept.sum() if row.kept is not None else
-                      options.most_kept(runs, row.max_approximate, row.group is not None)]
+                      options.most_kept(reused, row.max_approximate, row.group is not None)]
         moved.append(dataclasses.replace(row, slots=slots, own=own))
     return moved, out, master_slots, ShiftedReads(spec, frames)
 
