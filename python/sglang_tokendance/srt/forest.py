@@ -280,9 +280,8 @@ class SegmentForest(KeptMirrors):
                                 self.cost, self.max_approximate, self.planned_selection)
         if not plan.runs:
             return 0
-        masters = torch.cat([run.master.slots[run.segment_offset:run.segment_offset + len(run)] for run in plan.runs])
         return plan.reused_tokens - plan.own_slots(self.blend) - self.token_to_kv_pool_allocator.refs.evictable_among(
-            masters)
+            plan.master_slots())
 
     def reads_admitted(self, req) -> bool:
         """Whether `req` was admitted to the batch being built holding Masters (`admit`)."""

@@ -37,7 +37,7 @@ from sglang_tokendance.core.plan import PromptSelection
 from sglang_tokendance.core.segment_table import SegmentTable
 from sglang_tokendance.core.selection import SelectionRule
 from sglang_tokendance.srt.model import PoolKV, SGLangLayers
-from sglang_tokendance.srt.reuse import ChunkPlan
+from sglang_tokendance.srt.reuse import ChunkPlan, master_slots
 from sglang_tokendance.srt.storage import MasterStorage
 
 
@@ -65,7 +65,7 @@ def select_prompt(plan: ChunkPlan, table: SegmentTable, storage: MasterStorage, 
     k0 = pool.keys(0)
     scratch = DenseKV(options.check_layer + 1, prompt_len, k0.shape[1], k0.shape[2], dtype=k0.dtype, device=device)
     prefix = torch.arange(start, device=device)
-    masters = torch.cat([run.master.slots[run.segment_offset:run.segment_offset + len(run)] for run in runs])
+    masters = master_slots(runs)
     at = torch.cat([torch.arange(run.start, run.end, device=device) for run in runs])
     for layer in range(options.check_layer + 1):
         pool_layer = pool.radix[layer].layer_id

@@ -110,6 +110,10 @@ class ChunkPlan:
         computed[self.positions(torch.device("cpu")) - self.prefix_len] = kept
         return self.request.selection.states_for(computed.nonzero().squeeze(1) + self.prefix_len)
 
+    def master_slots(self) -> torch.Tensor:
+        """The Masters' slots its reused positions read, in run order."""
+        return master_slots(self.runs)
+
     def own_slots(self, options: BlendOptions, chooses_for: list[PlannedRun[SegmentEntry]] | None = None) -> int:
         """Own slots its row needs at the reused positions (zero copy): one per token the
         blended prefill can keep -- exactly its planned selection's kept tokens; else the most
@@ -312,6 +316,11 @@ class RequestReuse:
         if self.can_reuse or self.options.agent is not None:
             info = {**asdict(self.counts), "mirror_compression": self.counts.compression()}
             self.req.customized_info = {**(self.req.customized_info or {}), REUSE_INFO_KEY: [info]}
+
+
+def master_slots(runs: list[PlannedRun[SegmentEntry]]) -> torch.Tensor:
+    """The Masters' slots `runs` read, in run order."""
+    return torch.cat([run.master.slots[run.segment_offset:run.segment_offset + len(run)] for run in runs])
 
 
 def namespace_of(req) -> Hashable:

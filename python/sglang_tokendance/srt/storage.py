@@ -129,8 +129,7 @@ class MasterStorage:
         """Before the batch's slots are allocated (zero copy): the plan's row will read its
         Masters in place -- a reference on every slot it reads, every Master pinned, so the
         allocation's eviction cannot take them."""
-        plan.request.read_slots[plan.prefix_len] = torch.cat(
-            [run.master.slots[run.segment_offset:run.segment_offset + len(run)] for run in plan.runs])
+        plan.request.read_slots[plan.prefix_len] = plan.master_slots()
         self.allocator.read(plan.request.read_slots[plan.prefix_len])
         for run in plan.runs:
             self._pin(run.master)
@@ -155,7 +154,7 @@ class MasterStorage:
             if self.zero_copy:
                 row[plan.positions(row.device)] = plan.request.read_slots[plan.prefix_len].to(row.dtype)
                 continue
-            src += [run.master.slots[run.segment_offset:run.segment_offset + len(run)] for run in plan.runs]
+            src.append(plan.master_slots())
             dst += [row[run.start:run.end].to(torch.int64) for run in plan.runs]
             positions.append(plan.positions(row.device))
         if src:
