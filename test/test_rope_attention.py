@@ -22,6 +22,7 @@ from sglang_tokendance.core.rope_attention import (
     decode_tiles,
     extend_grids,
     row_attention,
+    tile_size,
     tiled_decode_attention,
     tiled_decode_attention_triton,
 )
@@ -163,7 +164,7 @@ def test_overlaid_keys_are_not_shifted():
 
 def test_decode_tiles_group_each_row_by_shift():
     pool = Pool(spec=SPECS["default"], seed=4, **SHARED)
-    tiles = decode_tiles(pool.table, pool.row_index, pool.lengths, pool.frames, tile=8)
+    tiles = decode_tiles(pool.table, pool.row_index, pool.lengths, pool.reads(), largest_tile=8)
     assert tiles.first.tolist()[0] == 0 and tiles.first.tolist()[-1] == tiles.row.numel()
     for b, n in enumerate(pool.lengths):
         mine = slice(int(tiles.first[b]), int(tiles.first[b + 1]))
@@ -178,16 +179,26 @@ def test_decode_tiles_group_each_row_by_shift():
     assert sorted(set(tiles.shift.tolist())) == [-28, 0, 20]
 
 
-@pytest.mark.parametrize("tile,per_call", [(4, 64), (4, 5), (64, 64)])
+def test_tile_size_follows_the_groups_lengths():
+    """Padding against the tiles' fixed work (32 keys each): two groups of 10 keys take tiles of
+    16 (2 x 48 < 2 x 64), two of 100 tiles of 128 (2 x 160 < 4 x 96), never above the largest."""
+    assert tile_size(torch.tensor([10, 12]), 256) == 16
+    assert tile_size(torch.tensor([100, 100]), 256) == 128
+    assert tile_size(torch.tensor([1000]), 256) == 256
+    assert tile_size(torch.tensor([1000]), 64) == 64
+    assert tile_size(torch.tensor([5, 9]), 4) == 4
+
+
+@pytest.mark.parametrize("tile,per_call", [(4, 256), (4, 20), (64, 4096)])
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_tiled_decode_equals_attention_at_the_readers_positions(name, tile, per_call, monkeypatch):
-    """Tiles of 4 and 64 keys; rows taken together or (5 tiles a call) one by one."""
-    monkeypatch.setattr(rope_attention, "TILES_PER_CALL", per_call)
+    """Tiles of 4 and up to 64 keys; rows taken together or (20 keys a call) one by one."""
+    monkeypatch.setattr(rope_attention, "KEYS_PER_CALL", per_call)
     spec = SPECS[name]
     pool = Pool(spec=spec, seed=4, **SHARED)
     q = torch.randn(3, HEADS, D, generator=torch.Generator().manual_seed(5))
-    tiles = decode_tiles(pool.table, pool.row_index, pool.lengths, pool.frames, tile=tile)
-    assert len(tiles.calls) == (1 if per_call == 64 else 3)
+    tiles = decode_tiles(pool.table, pool.row_index, pool.lengths, pool.reads(), largest_tile=tile)
+    assert len(tiles.calls) == (3 if per_call == 20 else 1)
     got = tiled_decode_attention(q, pool.keys, pool.values, tiles, SCALE, pool.reads())
     want = torch.cat([pool.reference(q[b:b + 1], b, torch.tensor([n - 1])) for b, n in enumerate(pool.lengths)])
     torch.testing.assert_close(got, want, atol=5e-5, rtol=5e-5)
@@ -203,7 +214,7 @@ def test_triton_decode_equals_the_torch_reference(name, tile):
     spec = SPECS[name]
     pool = Pool(spec=spec, seed=6, lengths=[48, 50, 20, 1], share=[(25, 5, 20), (2, 30, 10)])
     q = torch.randn(4, HEADS, D, generator=torch.Generator().manual_seed(7))
-    tiles = decode_tiles(pool.table, pool.row_index, pool.lengths, pool.frames, tile=tile)
+    tiles = decode_tiles(pool.table, pool.row_index, pool.lengths, pool.reads(), largest_tile=tile)
     want = tiled_decode_attention(q, pool.keys, pool.values, tiles, SCALE, pool.reads())
     got = tiled_decode_attention_triton(q, pool.keys, pool.values, tiles, SCALE, pool.reads())
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

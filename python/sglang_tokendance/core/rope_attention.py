@@ -34,7 +34,7 @@ from sglang_tokendance.core.attention import Grid, attend, plan_grids, sdpa_with
 from sglang_tokendance.core.rope import RopeSpec, attention_scaling, cos_sin
 from sglang_tokendance.core.slot_frames import SlotFrames
 
-TILES_PER_CALL = 64  # tiles one torch decode call takes: 4096 keys at 64 a tile, ~3 MB of K (SmolLM2)
+KEYS_PER_CALL = 4096  # keys (tiles x tile) one torch decode call takes: ~3 MB of K (SmolLM2)
 
 
 class ShiftedReads:
@@ -83,11 +83,19 @@ class ShiftedReads:
     def turned(self, x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
         """x [n, heads, d] rotated by `shift` [n] (a new tensor, every row, no host sync but
         the table's size)."""
+        cos, sin = self.turning(shift)
+        return self.turn(x, cos[:, None], sin[:, None])
+
+    def turning(self, shift: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tables [n, d] that `turn` rotates by `shift` [n] with."""
         distance = shift.abs()
-        _, _, c, s = self.tables(int(distance.max()) if distance.numel() else 0, x.device)
-        sign = torch.where(shift < 0, -1.0, 1.0).to(s.dtype)[:, None, None]
+        _, _, c, s = self.tables(int(distance.max()) if distance.numel() else 0, shift.device)
+        return c[distance], s[distance] * torch.where(shift < 0, -1.0, 1.0).to(s.dtype)[:, None]
+
+    def turn(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x rotated by the tables `turning` gave (broadcast against x)."""
         xf = x.float()
-        return (xf * c[distance, None]).addcmul_(self._swap_pairs(xf), s[distance, None] * sign).to(x.dtype)
+        return (xf * cos).addcmul_(self._swap_pairs(xf), sin).to(x.dtype)
 
     def _swap_pairs(self, k: torch.Tensor) -> torch.Tensor:
         """k with the two dims of every rotated pair exchanged (slices, not a gather)."""
@@ -123,17 +131,32 @@ def row_attention(grids: list[Grid], q: torch.Tensor, keys: torch.Tensor, values
     return out
 
 
+TILE_COST = 32  # a tile's fixed work (its query turned, its partial merged) in keys attended: CPU torch
+
+
+def tile_size(groups: torch.Tensor, largest: int) -> int:
+    """Keys per tile for groups of `groups` keys each (one shift of one row): the power of two
+    up to `largest` that spends least on padding and on the tiles' fixed work. Short Master runs
+    get short tiles (little padding), long ones long tiles (few queries turned and merged)."""
+    sizes = [1 << i for i in range(4, max(largest, 16).bit_length())] if largest >= 16 else [largest]
+    cost = [int(((groups + t - 1) // t).sum()) * (t + TILE_COST) for t in sizes]
+    return sizes[cost.index(min(cost))]
+
+
 @dataclass(frozen=True)
 class DecodeTiles:
     """A decode batch's keys in tiles of one shift each, sorted by row: tile t holds up to
     `slots.shape[1]` keys of batch row `row[t]`, all read at shift `shift[t]`; `first[b]` is
-    row b's first tile (first[B]: the number of tiles)."""
+    row b's first tile (first[B]: the number of tiles); `cos` / `sin` [T, head_dim] turn a
+    tile's query by minus its shift (ShiftedReads.turned's tables, gathered once per forward)."""
 
     row: torch.Tensor  # [T] int64
     shift: torch.Tensor  # [T] int64
     slots: torch.Tensor  # [T, tile] int64 (padding: slot 0)
     valid: torch.Tensor  # [T, tile] bool
     first: torch.Tensor  # [B + 1] int64
+    cos: torch.Tensor  # [T, 1, head_dim]
+    sin: torch.Tensor  # [T, 1, head_dim]
 
     @functools.cached_property
     def padding(self) -> torch.Tensor:
@@ -141,32 +164,55 @@ class DecodeTiles:
         return torch.zeros(self.valid.shape, device=self.valid.device).masked_fill_(~self.valid, float("-inf"))
 
     @functools.cached_property
-    def calls(self) -> list[tuple[slice, slice]]:
-        """Consecutive rows taken together (rows, their tiles): up to TILES_PER_CALL tiles, or
-        one longer row alone. Read on the host once per forward."""
+    def calls(self) -> list[TileCall]:
+        """Consecutive rows taken together: up to KEYS_PER_CALL keys, or one longer row alone.
+        Read on the host once per forward."""
         first, calls, start = self.first.tolist(), [], 0
+        per_call = max(1, KEYS_PER_CALL // self.slots.shape[1])
         for b in range(1, len(first)):
-            if b == len(first) - 1 or first[b + 1] - first[start] > TILES_PER_CALL:
-                calls.append((slice(start, b), slice(first[start], first[b])))
+            if b == len(first) - 1 or first[b + 1] - first[start] > per_call:
+                calls.append(TileCall.of(slice(start, b), first[start:b + 1], self.row.device))
                 start = b
         return calls
 
 
-def decode_tiles(slot_table: torch.Tensor, row_index: torch.Tensor, lengths: list[int], frames: SlotFrames,
-                 tile: int = 64) -> DecodeTiles:
+@dataclass(frozen=True)
+class TileCall:
+    """Rows `rows` (their tiles `tiles`) in one attention call; `spread` [R, M] places a row's
+    tiles side by side (`hole`: past a row's last tile) so that they merge in a few dense ops."""
+
+    rows: slice
+    tiles: slice
+    spread: torch.Tensor  # [R, M] int64, into the call's tiles
+    hole: torch.Tensor  # [R, M, 1] bool
+
+    @staticmethod
+    def of(rows: slice, first: list[int], device: torch.device) -> "TileCall":
+        start = torch.tensor(first[:-1], device=device) - first[0]
+        count = torch.tensor(first[1:], device=device) - first[0] - start
+        at = torch.arange(int(count.max()), device=device)
+        hole = at >= count[:, None]
+        spread = (start[:, None] + at).masked_fill_(hole, 0)
+        return TileCall(rows, slice(first[0], first[-1]), spread, hole[..., None])
+
+
+def decode_tiles(slot_table: torch.Tensor, row_index: torch.Tensor, lengths: list[int], reads: ShiftedReads,
+                 largest_tile: int = 256) -> DecodeTiles:
     """Tiles of a decode batch: request b reads the first lengths[b] slots of row
     slot_table[row_index[b]], key j at position j; its keys are grouped by shift (each group
-    in row order) and each group cut into tiles of `tile`. One pass over the whole batch."""
+    in row order) and each group cut into tiles (`tile_size`, at most `largest_tile`). One
+    pass over the whole batch."""
     device = slot_table.device
     longest = max(lengths)
     rows = slot_table[row_index.to(device), :longest].to(torch.int64)
     inside = torch.arange(longest, device=device) < torch.tensor(lengths, device=device)[:, None]
     request = torch.arange(len(lengths), device=device)[:, None].expand_as(rows)[inside]
-    shift, slot = frames.shifts(rows)[inside], rows[inside]
+    shift, slot = reads.shifts(rows)[inside], rows[inside]
     low = shift.min() if shift.numel() else 0
     key = request * (int(shift.max() - low) + 1 if shift.numel() else 1) + (shift - low)  # (request, shift)
     key, order = torch.sort(key, stable=True)  # row order kept within a group
     _, counts = torch.unique_consecutive(key, return_counts=True)
+    tile = tile_size(counts, largest_tile)
     per_group = (counts + tile - 1) // tile
     tiles = int(per_group.sum())
     group_start = torch.cumsum(counts, 0) - counts
@@ -179,8 +225,10 @@ def decode_tiles(slot_table: torch.Tensor, row_index: torch.Tensor, lengths: lis
     row = torch.repeat_interleave(request[order][group_start], per_group)
     first = torch.zeros(len(lengths) + 1, dtype=torch.int64, device=device)
     first[1:] = torch.cumsum(torch.bincount(row, minlength=len(lengths)), 0)
-    return DecodeTiles(row, torch.repeat_interleave(shift[order][group_start], per_group), slots.view(tiles, tile),
-                       valid.view(tiles, tile), first)
+    tile_shift = torch.repeat_interleave(shift[order][group_start], per_group)
+    cos, sin = reads.turning(-tile_shift)
+    return DecodeTiles(row, tile_shift, slots.view(tiles, tile), valid.view(tiles, tile), first, cos[:, None],
+                       sin[:, None])
 
 
 def tiled_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tiles: DecodeTiles,
@@ -190,22 +238,15 @@ def tiled_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     gathered KV stays small, as in SGLang's row-by-row torch decode): one attention call over
     their tiles as a batch, each tile's query rotated by minus its shift, then each row's tiles
     merged by their log-sum-exp."""
-    tq = reads.turned(q[tiles.row], -tiles.shift)[:, :, None]  # [T, heads, 1, d]
+    tq = reads.turn(q[tiles.row], tiles.cos, tiles.sin)[:, :, None]  # [T, heads, 1, d]
     padding = tiles.padding.to(q.dtype)
     out = q.new_empty(q.shape[0], q.shape[1], values.shape[2])
-    for rows, mine in tiles.calls:
-        slots = tiles.slots[mine]
-        part, lse = sdpa_with_lse(tq[mine], keys[slots].transpose(1, 2), values[slots].transpose(1, 2),
-                                  padding[mine, None, None], scale)
-        part, lse = part[:, :, 0].float(), lse[:, :, 0]  # [tiles, heads, dv], [tiles, heads]
-        row = tiles.row[mine] - rows.start
-        best = lse.new_full((rows.stop - rows.start, lse.shape[1]), float("-inf")).scatter_reduce_(
-            0, row[:, None].expand_as(lse), lse, "amax")
-        weight = (lse - best[row]).exp()
-        total = torch.zeros_like(best).index_add_(0, row, weight)
-        merged = torch.zeros(total.shape[0], *part.shape[1:], device=q.device).index_add_(0, row,
-                                                                                          weight[..., None] * part)
-        out[rows] = merged / total[..., None]
+    for call in tiles.calls:
+        slots = tiles.slots[call.tiles]
+        part, lse = sdpa_with_lse(tq[call.tiles], keys[slots].transpose(1, 2), values[slots].transpose(1, 2),
+                                  padding[call.tiles, None, None], scale)
+        weight = torch.softmax(lse[:, :, 0][call.spread].masked_fill_(call.hole, float("-inf")), 1)  # [R, M, heads]
+        out[call.rows] = torch.einsum("rmh,rmhd->rhd", weight, part[:, :, 0].float()[call.spread]).to(q.dtype)
     return out
 
 

@@ -87,7 +87,7 @@ class TokenDanceAttnBackend(TorchNativeAttnBackend):
         plain = torch.tensor(sorted(set(range(len(lengths))) - set(shifted)), dtype=torch.int64)
         tokens, plain_tokens = _tokens_of(counts, rows), _tokens_of(counts, plain)
         if mode.is_decode():
-            layout = decode_tiles(table, index[rows], [lengths[b] for b in shifted], self.reads.frames)
+            layout = decode_tiles(table, index[rows], [lengths[b] for b in shifted], self.reads)
         else:
             prefix = forward_batch.extend_prefix_lens_cpu
             layout = extend_grids(table, index[rows], [prefix[b] for b in shifted], [counts[b] for b in shifted])
