@@ -24,7 +24,7 @@ attention (srt/attention.py).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -157,6 +157,19 @@ class DecodeTiles:
     first: torch.Tensor  # [B + 1] int64
     cos: torch.Tensor  # [T, 1, head_dim]
     sin: torch.Tensor  # [T, 1, head_dim]
+    buffers: dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+
+    def gather(self, source: torch.Tensor, slots: torch.Tensor, which: int) -> torch.Tensor:
+        """source[slots] ([*slots.shape, kv_heads, d]) into buffer `which`, one per forward
+        reused by every layer: a fresh tensor of megabytes per layer and call costs its page
+        faults each time (glibc maps large blocks anew), more than the gather itself."""
+        n = slots.numel()
+        buffer = self.buffers.get(which)
+        fits = buffer is not None and buffer.shape[0] >= n and buffer.shape[1:] == source.shape[1:]
+        if not fits or buffer.dtype != source.dtype:
+            largest = max(call.tiles.stop - call.tiles.start for call in self.calls) * self.slots.shape[1]
+            buffer = self.buffers[which] = source.new_empty(max(n, largest), *source.shape[1:])
+        return torch.index_select(source, 0, slots.reshape(-1), out=buffer[:n]).view(*slots.shape, *source.shape[1:])
 
     @functools.cached_property
     def padding(self) -> torch.Tensor:
@@ -243,7 +256,8 @@ def tiled_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     out = q.new_empty(q.shape[0], q.shape[1], values.shape[2])
     for call in tiles.calls:
         slots = tiles.slots[call.tiles]
-        part, lse = sdpa_with_lse(tq[call.tiles], keys[slots].transpose(1, 2), values[slots].transpose(1, 2),
+        part, lse = sdpa_with_lse(tq[call.tiles], tiles.gather(keys, slots, 0).transpose(1, 2),
+                                  tiles.gather(values, slots, 1).transpose(1, 2),
                                   padding[call.tiles, None, None], scale)
         weight = torch.softmax(lse[:, :, 0][call.spread].masked_fill_(call.hole, float("-inf")), 1)  # [R, M, heads]
         out[call.rows] = torch.einsum("rmh,rmhd->rhd", weight, part[:, :, 0].float()[call.spread]).to(q.dtype)
