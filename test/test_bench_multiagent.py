@@ -250,9 +250,21 @@ def test_capacity_mode_finds_max_agents_under_slo(tmp_path, tiny_llama):
     assert [(r["rate"], r["max_agents"], r["per_repeat"]) for r in capacity] == [(4.0, 2, "2, 2")]
     probes = [r for r in records if r["type"] == "capacity_probe"]
     assert [(p["repeat"], p["num_agents"]) for p in probes] == [(0, 1), (0, 2), (1, 1), (1, 2)]
+    assert all(p["under_slo"] and p["fits"] and p["peak_kv_tokens_per_agent"] >= 0 for p in probes)
+    assert (capacity[0]["stopped_by"], capacity[0]["agents_vs_radix"]) == ("none, none", 1.0)
+    assert [(r["repeat"], r["mode"]) for r in records if r["type"] == "idle"] == [(0, "radix"), (1, "radix")]
     assert meta_of(records)["max_total_tokens"] == 8192
     for png in ("cap_capacity_latency.png", "cap_capacity_agents.png"):
         assert (tmp_path / png).stat().st_size > 1000
+
+
+def test_an_slo_search_says_whether_memory_or_compute_stopped_it():
+    from sglang_tokendance.bench_multiagent import what_stopped
+
+    held = {"under_slo": True, "fits": True}
+    assert what_stopped([held, {"under_slo": False, "fits": False}]) == "memory"
+    assert what_stopped([held, {"under_slo": False, "fits": True}]) == "compute"
+    assert what_stopped([{**held, "fits": False}, held]) == "none"  # a probe under the SLO never stops it
 
 
 def test_capacity_repeats_reverse_the_modes_order_every_other_time():

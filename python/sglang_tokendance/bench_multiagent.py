@@ -146,7 +146,7 @@ def server_argv(args, mode: Mode) -> list[str]:
         argv += ["--model-path", args.model_path]
     if args.max_total_tokens:
         argv += ["--max-total-tokens", str(args.max_total_tokens)]
-    if args.capacity == "fit":
+    if args.capacity:
         argv.append("--enable-metrics")  # SGLang's retraction counter
     return argv + args.server_args.split()
 
@@ -289,7 +289,8 @@ def mode_orders(modes: list[Mode], repeats: int) -> list[list[Mode]]:
 
 def capacity(args, systems: Systems, config: WorkloadConfig) -> tuple[list[dict], list[tuple[str, str]]]:
     """Most agents per mode and session rate whose mean round latency stays under the SLO
-    (the median over --capacity-repeats searches)."""
+    (the median over --capacity-repeats searches), with what stopped each search: the KV
+    budget (the first failing probe's round did not fit it, fit_probe) or compute (it fitted)."""
     from sglang_tokendance.bench.server_process import flush_cache
 
     rates = [float(r) for r in args.capacity_rates.split(",")]
@@ -299,28 +300,42 @@ def capacity(args, systems: Systems, config: WorkloadConfig) -> tuple[list[dict]
         for mode in modes:
             with systems.serve(mode) as server:
                 warm_up(mode, server.url, config)
+                records.append({"type": "idle", "repeat": repeat, "mode": mode.name, **idle_check()})
                 if slo is None:
                     alone = run(mode, server.url, replace(config, num_agents=1), 1, float("inf"), "SLO probe")
                     slo = SLO_FACTOR * alone.summary()["mean_round_latency_s"]
                     records.append({"type": "slo", "mode": mode.name, "slo_s": slo, "factor": SLO_FACTOR})
                 for rate in rates:
-                    curve = []
+                    probes = []
 
                     def holds(n: int) -> bool:
                         flush_cache(server.url)  # each probe as on a fresh server: no earlier probe's KV
+                        watch = RetractionWatch(server.url)
                         result = run(mode, server.url, replace(config, num_agents=n), args.num_sessions, rate,
-                                     f"{mode.name} #{repeat} rate={rate} agents={n}")
-                        summary = result.summary()
-                        records.append({"type": "capacity_probe", "repeat": repeat, "slo_s": slo, **summary})
-                        curve.append((n, summary["mean_round_latency_s"]))
-                        return summary["mean_round_latency_s"] <= slo
+                                     f"{mode.name} #{repeat} rate={rate} agents={n}", watch=watch)
+                        fit = fit_probe(result, watch.by_round)
+                        probes.append({"type": "capacity_probe", "repeat": repeat, "slo_s": slo, **result.summary(),
+                                       "under_slo": result.summary()["mean_round_latency_s"] <= slo,
+                                       **{k: fit[k] for k in ("fits", "peak_kv_tokens_per_agent",
+                                                              "mirror_compression")}})
+                        return probes[-1]["under_slo"]
 
-                    found.setdefault((mode.name, rate), []).append(most_agents(args.min_agents, args.max_agents, holds))
+                    best = most_agents(args.min_agents, args.max_agents, holds)
+                    records += probes
+                    found.setdefault((mode.name, rate), []).append((best, probes))
                     if rate == rates[0]:
                         label = mode.name if args.capacity_repeats == 1 else f"{mode.name} #{repeat}"
-                        latency_series[label] = ([n for n, _ in curve], [lat for _, lat in curve])
-    table = [{"mode": mode, "rate": rate, "max_agents": statistics.median(bests),
-              "per_repeat": ", ".join(map(str, bests)), "slo_s": slo} for (mode, rate), bests in found.items()]
+                        latency_series[label] = ([p["num_agents"] for p in probes],
+                                                 [p["mean_round_latency_s"] for p in probes])
+    table = []
+    for (mode, rate), searches in found.items():
+        at_best = [p for best, probes in searches for p in probes if p["num_agents"] == best]
+        table.append({"mode": mode, "rate": rate, "max_agents": statistics.median(best for best, _ in searches),
+                      "per_repeat": ", ".join(str(best) for best, _ in searches),
+                      "stopped_by": ", ".join(what_stopped(probes) for _, probes in searches),
+                      "slo_s": slo, **{key: statistics.mean(p[key] for p in at_best) if at_best else float("nan")
+                                       for key in ("peak_kv_tokens_per_agent", "mirror_compression")}})
+    versus = versus_baseline(table)
     records += [{"type": "capacity", **row} for row in table]
     if not args.no_plot:
         stem = args.output_file.with_suffix("")
@@ -328,10 +343,31 @@ def capacity(args, systems: Systems, config: WorkloadConfig) -> tuple[list[dict]
                           "agents", "seconds", latency_series, hline=slo, hline_label="SLO")
         report.plot_lines(Path(f"{stem}_capacity_agents.png"), "Most agents under the SLO (median)",
                           "sessions per second", "agents",
-                          {mode.name: (rates, [statistics.median(found[mode.name, rate]) for rate in rates])
-                           for mode in systems.modes()})
-    columns = ["mode", "rate", "max_agents", "per_repeat", "slo_s"]
-    return records, [("Capacity", report.markdown_table(table, columns))]
+                          {mode.name: (rates, [statistics.median(best for best, _ in found[mode.name, rate])
+                                               for rate in rates]) for mode in systems.modes()})
+    columns = ["mode", "rate", "max_agents", "per_repeat", versus, "stopped_by", "slo_s", "peak_kv_tokens_per_agent",
+               "mirror_compression"]
+    idles = [r for r in records if r["type"] == "idle"]
+    return records, [("Capacity", report.markdown_table(table, columns)),
+                     ("Machine idle before each search", report.markdown_table(
+                         idles, ["repeat", "mode", "cpu_busy_fraction", "idle"]))]
+
+
+def what_stopped(probes: list[dict]) -> str:
+    """What ended an SLO search: "memory" where the first probe over the SLO did not fit the KV
+    budget (its round queued or was retracted for KV), "compute" where it did, "none" where
+    every probe held."""
+    return next(("compute" if p["fits"] else "memory" for p in probes if not p["under_slo"]), "none")
+
+
+def versus_baseline(table: list[dict]) -> str:
+    """Adds each row's max_agents over radix's (or the first row's) as agents_vs_<mode>; returns
+    that column's name."""
+    baseline = next((row for row in table if row["mode"] == "radix"), table[0])
+    column = "agents_vs_" + baseline["mode"]
+    for row in table:
+        row[column] = row["max_agents"] / baseline["max_agents"] if baseline["max_agents"] else float("nan")
+    return column
 
 
 def most_agents(min_agents: int, max_agents: int, holds: Callable[[int], bool]) -> int:
@@ -402,10 +438,7 @@ def capacity_fit(args, systems: Systems, config: WorkloadConfig) -> tuple[list[d
                       "per_repeat": ", ".join(str(best) for best, _ in searches), "budget_tokens": budget,
                       **{key: statistics.mean(p[key] for p in at_best) if at_best else float("nan")
                          for key in ("peak_kv_tokens_per_agent", "mirror_compression", "mean_round_latency_s")}})
-    baseline = next((row for row in table if row["mode"] == "radix"), table[0])
-    for row in table:
-        row["agents_vs_" + baseline["mode"]] = row["max_agents"] / baseline["max_agents"] if baseline["max_agents"] \
-            else float("nan")
+    versus = versus_baseline(table)
     records += [{"type": "capacity_fit", **row} for row in table]
     if not args.no_plot:
         report.plot_panels(Path(f"{args.output_file.with_suffix('')}_capacity_fit.png"),
@@ -416,7 +449,7 @@ def capacity_fit(args, systems: Systems, config: WorkloadConfig) -> tuple[list[d
             report.Panel("Peak KV in use per agent", "agents", "tokens",
                          {m: ([p["num_agents"] for p in c], [p["peak_kv_tokens_per_agent"] for p in c])
                           for m, c in curves.items()})])
-    columns = ["mode", "max_agents", "per_repeat", "agents_vs_" + baseline["mode"], "budget_tokens",
+    columns = ["mode", "max_agents", "per_repeat", versus, "budget_tokens",
                "peak_kv_tokens_per_agent", "mirror_compression", "mean_round_latency_s"]
     idles = [r for r in records if r["type"] == "idle"]
     return records, [("Most agents whose rounds fit the KV budget", report.markdown_table(table, columns)),
