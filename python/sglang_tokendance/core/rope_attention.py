@@ -8,9 +8,9 @@ rotate its query by -d instead of the key by +d. Every key of a Master run read 
 the same d, so:
 
 * decode (`decode_tiles`, `tiled_decode_attention`): a row's keys are grouped by shift into
-  tiles of one shift each; a tile's query is rotated once, its partial attention and
-  log-sum-exp computed (one flash-attention call for a few rows, their tiles as its batch),
-  and the tiles of a row merged by log-sum-exp (split-K decoding). The Triton kernel
+  tiles of one shift each (`tile_size` per batch); a tile's query is rotated once, its partial
+  attention and log-sum-exp computed (one flash-attention call for a few rows, their tiles as
+  its batch), and the tiles of a row merged by log-sum-exp (split-K decoding). The Triton kernel
   (`tiled_decode_attention_triton`, for CUDA) does the same per tile in one program per
   (row, head), checked against the torch path under TRITON_INTERPRET=1.
 * extend (`extend_grids`, `row_attention`): many queries read the same keys, so the gathered
