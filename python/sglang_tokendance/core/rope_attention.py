@@ -148,7 +148,7 @@ class DecodeTiles:
     """A decode batch's keys in tiles of one shift each, sorted by row: tile t holds up to
     `slots.shape[1]` keys of batch row `row[t]`, all read at shift `shift[t]`; `first[b]` is
     row b's first tile (first[B]: the number of tiles); `cos` / `sin` [T, head_dim] turn a
-    tile's query by minus its shift (ShiftedReads.turned's tables, gathered once per forward)."""
+    tile's query by minus its shift (ShiftedReads.turning's tables, gathered once per forward)."""
 
     row: torch.Tensor  # [T] int64
     shift: torch.Tensor  # [T] int64
