@@ -313,9 +313,9 @@ def capacity(args, systems: Systems, config: WorkloadConfig) -> tuple[list[dict]
                         watch = RetractionWatch(server.url)
                         result = run(mode, server.url, replace(config, num_agents=n), args.num_sessions, rate,
                                      f"{mode.name} #{repeat} rate={rate} agents={n}", watch=watch)
-                        fit = fit_probe(result, watch.by_round)
-                        probes.append({"type": "capacity_probe", "repeat": repeat, "slo_s": slo, **result.summary(),
-                                       "under_slo": result.summary()["mean_round_latency_s"] <= slo,
+                        fit, summary = fit_probe(result, watch.by_round), result.summary()
+                        probes.append({"type": "capacity_probe", "repeat": repeat, "slo_s": slo, **summary,
+                                       "under_slo": summary["mean_round_latency_s"] <= slo,
                                        **{k: fit[k] for k in ("fits", "peak_kv_tokens_per_agent",
                                                               "mirror_compression")}})
                         return probes[-1]["under_slo"]
@@ -327,14 +327,10 @@ def capacity(args, systems: Systems, config: WorkloadConfig) -> tuple[list[dict]
                         label = mode.name if args.capacity_repeats == 1 else f"{mode.name} #{repeat}"
                         latency_series[label] = ([p["num_agents"] for p in probes],
                                                  [p["mean_round_latency_s"] for p in probes])
-    table = []
-    for (mode, rate), searches in found.items():
-        at_best = [p for best, probes in searches for p in probes if p["num_agents"] == best]
-        table.append({"mode": mode, "rate": rate, "max_agents": statistics.median(best for best, _ in searches),
-                      "per_repeat": ", ".join(str(best) for best, _ in searches),
-                      "stopped_by": ", ".join(what_stopped(probes) for _, probes in searches),
-                      "slo_s": slo, **{key: statistics.mean(p[key] for p in at_best) if at_best else float("nan")
-                                       for key in ("peak_kv_tokens_per_agent", "mirror_compression")}})
+    table = [{"mode": mode, "rate": rate, **searched(searches),
+              "stopped_by": ", ".join(what_stopped(probes) for _, probes in searches), "slo_s": slo,
+              **means_at_best(searches, ("peak_kv_tokens_per_agent", "mirror_compression"))}
+             for (mode, rate), searches in found.items()]
     versus = versus_baseline(table)
     records += [{"type": "capacity", **row} for row in table]
     if not args.no_plot:
@@ -351,6 +347,18 @@ def capacity(args, systems: Systems, config: WorkloadConfig) -> tuple[list[dict]
     return records, [("Capacity", report.markdown_table(table, columns)),
                      ("Machine idle before each search", report.markdown_table(
                          idles, ["repeat", "mode", "cpu_busy_fraction", "idle"]))]
+
+
+def searched(searches: list[tuple[int, list[dict]]]) -> dict:
+    """The median of the searches' most agents, and each search's."""
+    return {"max_agents": statistics.median(best for best, _ in searches),
+            "per_repeat": ", ".join(str(best) for best, _ in searches)}
+
+
+def means_at_best(searches: list[tuple[int, list[dict]]], keys: tuple[str, ...]) -> dict:
+    """The mean of each key over the probes at each search's most agents (nan: none held)."""
+    at_best = [p for best, probes in searches for p in probes if p["num_agents"] == best]
+    return {key: statistics.mean(p[key] for p in at_best) if at_best else float("nan") for key in keys}
 
 
 def what_stopped(probes: list[dict]) -> str:
@@ -428,16 +436,12 @@ def capacity_fit(args, systems: Systems, config: WorkloadConfig) -> tuple[list[d
 
                 best = most_agents(args.min_agents, args.max_agents, holds)
                 records += [{"type": "fit_probe", "repeat": repeat, **p} for p in probes]
-                found.setdefault(mode.name, []).append((best, [p for p in probes if p["num_agents"] == best]))
+                found.setdefault(mode.name, []).append((best, probes))
                 curves.setdefault(mode.name, probes)
     budget = args.max_total_tokens
-    table = []
-    for name, searches in found.items():
-        at_best = [p for _, fitted in searches for p in fitted]
-        table.append({"mode": name, "max_agents": statistics.median(best for best, _ in searches),
-                      "per_repeat": ", ".join(str(best) for best, _ in searches), "budget_tokens": budget,
-                      **{key: statistics.mean(p[key] for p in at_best) if at_best else float("nan")
-                         for key in ("peak_kv_tokens_per_agent", "mirror_compression", "mean_round_latency_s")}})
+    table = [{"mode": name, **searched(searches), "budget_tokens": budget,
+              **means_at_best(searches, ("peak_kv_tokens_per_agent", "mirror_compression", "mean_round_latency_s"))}
+             for name, searches in found.items()]
     versus = versus_baseline(table)
     records += [{"type": "capacity_fit", **row} for row in table]
     if not args.no_plot:

@@ -138,7 +138,7 @@ def tile_size(groups: torch.Tensor, largest: int) -> int:
     """Keys per tile for groups of `groups` keys each (one shift of one row): the power of two
     up to `largest` that spends least on padding and on the tiles' fixed work. Short Master runs
     get short tiles (little padding), long ones long tiles (few queries turned and merged)."""
-    sizes = [1 << i for i in range(4, max(largest, 16).bit_length())] if largest >= 16 else [largest]
+    sizes = [1 << i for i in range(4, largest.bit_length())] if largest >= 16 else [largest]
     cost = [int(((groups + t - 1) // t).sum()) * (t + TILE_COST) for t in sizes]
     return sizes[cost.index(min(cost))]
 
