@@ -251,6 +251,21 @@ def test_most_kept_bounds_what_select_kept_keeps_and_is_reached(data, share, gra
         assert reached == bound  # tokens: the bound is exact
 
 
+@given(lengths=st.lists(st.integers(1, 60), min_size=1, max_size=8),
+       share=st.sampled_from([0.1, 0.15, 0.3, 0.7, 0.9]))
+def test_select_kept_keeps_what_most_kept_allocated_however_the_runs_are_split(lengths, share):
+    """Own slots are allocated for `most_kept` before the forward, and the forward must not
+    keep one token more: at decimal shares a sum of per-run products can round up where the
+    product of the sum rounds down (0.1 x 1 + 0.1 x 24 against 0.1 x 25 = 2.5), which once
+    crashed a server's prefill. Both count round(share x tokens), however the runs are split."""
+    segments, at = [], 0
+    for n in lengths:
+        segments.append(ReusedSegment(at, at + n))
+        at += n
+    kept = int(select_kept(torch.rand(at), [segments], [share]).sum())
+    assert kept == most_kept(segments, share) == round(share * at)
+
+
 def test_a_segment_split_over_chunks_is_cut_like_the_whole_one():
     """A run that starts inside its segment (the segment began in an earlier prefill chunk)
     counts blocks and head tokens from the segment's start, not from the run's."""

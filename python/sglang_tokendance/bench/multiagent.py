@@ -91,6 +91,11 @@ MODES: dict[str, Mode] = {
     # Master-Mirror storage where a kept token within 0.4 (relative L2, every layer) of its Master reads the Master
     "tokendance-threshold": Mode("tokendance-threshold", stock=False, marked=True,
                                  server_args=("--tokendance-storage", "mirror", "--tokendance-diff-threshold", "0.4")),
+    # memory first: Master-Mirror storage at recompute ratio 0.1 (about 10 reused positions per own slot) in named
+    # rounds, whose leader's exact blocks are the Masters the others read (a lower ratio keeps their error low)
+    "tokendance-mirror-lean": Mode("tokendance-mirror-lean", stock=False, marked=True, rounds=True,
+                                   server_args=("--tokendance-storage", "mirror",
+                                                "--tokendance-recompute-ratio", "0.1")),
     # Master-Mirror storage with each agent's finished row kept for its next prompt (--conversation)
     "tokendance-kept": Mode("tokendance-kept", stock=False, marked=True, agents=True,
                             server_args=("--tokendance-storage", "mirror")),

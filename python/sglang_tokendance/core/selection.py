@@ -34,7 +34,7 @@ first token and not decode. The fidelity budget bounds the decode error whatever
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Sequence
+from typing import Callable, Hashable, Iterable, Sequence
 
 import torch
 
@@ -140,9 +140,21 @@ def most_kept(segments: Sequence[ReusedSegment], share: float, *, granularity: s
     request's own slots can be allocated for exactly that many (zero-copy storage)."""
     runs = [(seg.offset, seg.end - seg.start) for seg in segments if seg.end > seg.start]
     heads = sum(max(0, min(head_tokens, offset + n) - offset) for offset, n in runs)
-    budget = round(share * sum(n for _, n in runs))
+    budget = pool_budget((share, n) for _, n in runs)
     unit = block_size if granularity == "block" else 1
     return min(sum(n for _, n in runs), heads if budget <= heads else budget - 1 + unit)
+
+
+def pool_budget(parts: Iterable[tuple[float, int]]) -> int:
+    """Tokens a selection pool keeps: round(sum of ratio x tokens) over its (ratio, tokens)
+    parts, the tokens of one ratio summed first. So a pool of one ratio keeps round(ratio x
+    its tokens) however its runs are split: `most_kept` (the own slots allocated before the
+    forward) and `select_kept` must agree to the token, and a float sum of per-run products
+    may not round like the product of the sum (0.1 x 1 + 0.1 x 24 > 2.5)."""
+    tokens: dict[float, int] = {}
+    for ratio, n in parts:
+        tokens[ratio] = tokens.get(ratio, 0) + n
+    return round(sum(ratio * n for ratio, n in tokens.items()))
 
 
 def select_kept(scores: torch.Tensor, requests: Sequence[Sequence[ReusedSegment]], ratios: Sequence[float], *,
@@ -183,7 +195,7 @@ def select_kept(scores: torch.Tensor, requests: Sequence[Sequence[ReusedSegment]
         rows = torch.cat([torch.arange(r, r + u.numel(), device=scores.device) for r, u, _, _ in parts])
         ids, unit = torch.unique(torch.cat([u for _, u, _, _ in parts]), return_inverse=True)
         head = torch.cat([h for _, _, h, _ in parts])
-        budget = round(sum(ratio * u.numel() for _, u, _, ratio in parts))
+        budget = pool_budget((ratio, u.numel()) for _, u, _, ratio in parts)
         kept[rows] = _top_units(scores[rows].float(), unit, head, ids.numel(), budget)
     return kept
 
