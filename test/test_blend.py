@@ -229,7 +229,8 @@ def test_kept_share_leaves_at_most_the_budget_approximate(ratio, reused, bound):
         assert reused - round(share * reused) == bound
 
 
-@given(data=st.data(), share=st.floats(0.0, 1.0), granularity=st.sampled_from(["token", "block"]),
+@given(data=st.data(), share=st.one_of(st.floats(0.0, 1.0), st.sampled_from([0.1, 0.15, 0.3, 0.7])),
+       granularity=st.sampled_from(["token", "block"]),
        block_size=st.integers(1, 9), head_tokens=st.integers(0, 6))
 def test_most_kept_bounds_what_select_kept_keeps_and_is_reached(data, share, granularity, block_size, head_tokens):
     """Zero-copy storage allocates a request's own slots before its forward for `most_kept`
