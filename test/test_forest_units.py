@@ -428,24 +428,34 @@ def test_zero_copy_rows_read_one_master_at_different_offsets_and_free_only_their
     assert allocator.available_size() == 64 and not allocator.refs.refs.any() and not allocator.refs.reads.any()
 
 
-def test_a_forward_that_computes_everything_gives_every_reused_position_its_own_slot_back():
+@pytest.mark.parametrize("after_a_cache_reset", [False, True])
+def test_a_forward_that_computes_everything_gives_every_reused_position_its_own_slot_back(after_a_cache_reset):
     """A planned row whose forward cannot blend (never expected: restore_segments plans no such
     batch), or whose plan outlived a forward that never ran: every reused position gets a slot
     of its own (its kept-token slots, then new ones, frames recorded) and drops its Master; the
-    forward's out_cache_loc writes there, never to a Master or the padding slot."""
+    forward's out_cache_loc writes there, never to a Master or the padding slot, and the
+    attention metadata built for the row's reads is built again. The frames it records are
+    those every reader of frames sees, after SGLang's cache reset (`flush_cache` clears the
+    allocator) as before."""
     forest = mirror_forest()
     allocator, rows = forest.token_to_kv_pool_allocator, forest.req_to_token_pool.req_to_token
+    if after_a_cache_reset:
+        allocator.clear()
     author = allocator.alloc(12)
     forest.storage.cache(((None, None), "a"), list(range(100, 112)), author.to(torch.int32), 0, 12)
     master = forest.segments.entries[((None, None), "a")].slots
     req = reading_req(forest, 1, [SegmentSpan(0, 12, "a")], 16)
     out = restore(forest, [req])
+    metadata = []  # the rows each (re)build of the attention metadata saw
+    backend = SimpleNamespace(init_forward_metadata=lambda fb: metadata.append(rows[1, :16].long().clone()))
     batch = SimpleNamespace(req_pool_indices_cpu=torch.tensor([1]), extend_prefix_lens_cpu=[0],
                             extend_seq_lens_cpu=[16], out_cache_loc=out.clone())
-    assert forest.take_plans(batch, blendable=False) is None and not forest.planned  # SGLang's forward runs
+    assert forest.take_plans(batch, False, backend) is None and not forest.planned  # SGLang's forward runs
     assert torch.equal(rows[1, :16].long(), batch.out_cache_loc.long()) and forest.stats()["row_references"] == 0
     assert batch.out_cache_loc.all() and not torch.isin(batch.out_cache_loc, master).any()
     assert torch.equal(allocator.frames.frame[batch.out_cache_loc[:12]], torch.arange(12, dtype=torch.int32))
+    assert not forest.reads.shifts(batch.out_cache_loc[:12].long(), torch.arange(12)).any()  # read unshifted
+    assert len(metadata) == 1 and torch.equal(metadata[0], batch.out_cache_loc.long())  # built on the own slots
     assert req.customized_info[REUSE_INFO_KEY][0]["recomputed_tokens"] == 12
     stale = reading_req(forest, 2, [SegmentSpan(0, 12, "a")], 16)
     restore(forest, [stale])  # planned, and its forward never ran
@@ -455,6 +465,20 @@ def test_a_forward_that_computes_everything_gives_every_reused_position_its_own_
     release(forest, stale, 16)
     allocator.free(author)
     assert forest.evictable_size() == 12 == 64 - allocator.available_size()
+
+
+def test_a_plan_met_by_another_chunk_is_refused():
+    """The forward must compute the chunk its plan was made for: reused positions outside the
+    batch's chunk could get their KV from no forward."""
+    forest = mirror_forest()
+    author = forest.token_to_kv_pool_allocator.alloc(12)
+    forest.storage.cache(((None, None), "a"), list(range(100, 112)), author.to(torch.int32), 0, 12)
+    out = restore(forest, [reading_req(forest, 1, [SegmentSpan(0, 12, "a")], 16)])
+    batch = SimpleNamespace(req_pool_indices_cpu=torch.tensor([1]), extend_prefix_lens_cpu=[0],
+                            extend_seq_lens_cpu=[10], out_cache_loc=out[:10].clone())
+    with pytest.raises(RuntimeError, match=r"planned the chunk \[0, \+16\) of a request whose forward computes "
+                                           r"\[0, \+10\)"):
+        forest.take_plans(batch, True, None)
 
 
 def leaf_held_by_a_master(forest, key: str, accessed: float):

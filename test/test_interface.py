@@ -186,6 +186,9 @@ BAD_REQUESTS = [
     ({"text": "a", "custom_labels": {"tokendance": '{"register": true}'}}, "register_output"),
     ({"text": "a", "tokendance": {"round": "r"}, "custom_labels": {"tokendance": '{"round": "r"}'}}, "given twice"),
     ({"text": "a", "custom_labels": {"tokendance": '{"round_size": 2}'}, "stream": True}, "needs"),
+    ({"text": SEP.join(["x", "y"]), "sampling_params": {"custom_params": "z"}}, "custom_params` must be an object"),
+    ({"text": "a", "tokendance": {"round": "r"}, "sampling_params": {"custom_params": [1]}, "stream": True},
+     "custom_params` must be an object"),
 ]
 
 
@@ -210,7 +213,8 @@ def test_bad_requests_get_400_and_good_ones_are_unchanged(server):
     good = [SEP.join([HISTORY, BLOCK_A, QUESTION]), "The capital of France is"]
     before = [generate(server, g, 10)["output_ids"] for g in good]
     for body, message in BAD_REQUESTS:
-        r = post(server, "/generate", {**body, "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+        r = post(server, "/generate", {**body, "sampling_params": {"max_new_tokens": 4, "temperature": 0,
+                                                                   **body.get("sampling_params", {})}})
         assert r.status_code == 400, (body, r.text)
         assert message in r.text, (body, r.text)
         assert generate(server, good[0], 10)["output_ids"] == before[0]

@@ -185,6 +185,9 @@ def sglang_args(**overrides):
     ({"page_size": 16}, "--page-size"),
     ({"radix_eviction_policy": "tlru"}, "--radix-eviction-policy"),
     ({"disable_radix_cache": True}, "--disable-radix-cache"),
+    ({"enable_return_hidden_states": True}, "--enable-return-hidden-states"),
+    ({"enable_return_aux_hidden_states": True}, "--enable-return-aux-hidden-states"),
+    ({"return_hidden_states_mode": "last"}, "--return-hidden-states-mode"),
     ({"device": "cuda", "disable_cuda_graph": False, "disable_overlap_schedule": True}, "--disable-prefill-cuda-graph"),
     ({"device": "cuda", "disable_overlap_schedule": False}, "--disable-overlap-schedule"),
 ])

@@ -257,8 +257,9 @@ def check_server_args(args: TokenDanceArgs, server_args: Any) -> None:
     """Refuse, with one line naming the flag, every SGLang configuration the blended prefill
     does not handle. `server_args` is SGLang's ServerArgs or any object with its field names
     (absent fields take SGLang's defaults). Per-request features it does not handle (LoRA
-    adapters, input embeddings, hidden-state outputs, input-token logprobs) are not refused:
-    those requests take SGLang's own forward."""
+    adapters, input embeddings, input-token logprobs) are not refused: those requests take
+    SGLang's own forward. Hidden-state outputs are: SGLang serves them only under a server-wide
+    mode in which every forward captures them."""
     get = lambda name, default=None: getattr(server_args, name, default)  # noqa: E731
     _check_storage(args, get)
     if not args.kv_enabled:
@@ -276,6 +277,13 @@ def check_server_args(args: TokenDanceArgs, server_args: Any) -> None:
     if get("speculative_algorithm") is not None:
         raise TokenDanceArgsError("--speculative-algorithm", "speculative decoding is not supported with "
                                                              f"TokenDance's segment reuse{hint}")
+    for flag, name in (("--enable-return-hidden-states", "enable_return_hidden_states"),
+                       ("--enable-return-aux-hidden-states", "enable_return_aux_hidden_states"),
+                       ("--return-hidden-states-mode", "return_hidden_states_mode")):
+        if get(name):
+            raise TokenDanceArgsError(flag, "it makes every forward capture hidden states, which the blended "
+                                            "prefill does not compute for the tokens it reuses: no request would "
+                                            f"reuse{hint}")
     if str(get("kv_cache_dtype", "auto")).lower() not in PLAIN_KV_CACHE_DTYPES:
         raise TokenDanceArgsError("--kv-cache-dtype", f"{get('kv_cache_dtype')} is a quantised KV cache whose scales "
                                                       f"a segment restore would bypass; use auto{hint}")

@@ -376,35 +376,34 @@ class SegmentForest(KeptMirrors):
                                agent_prefix=req.prefix_len if is_kept(req.last_node) else 0,
                                sightings=self.sightings, leads=self.reuse and self.leads(req))
 
-    def take_plans(self, forward_batch, blendable: bool) -> list[ChunkPlan | None] | None:
+    def take_plans(self, forward_batch, blendable: bool, attention) -> list[ChunkPlan | None] | None:
         """The plans of an extend batch, in batch order, or None when no request reuses (then
         SGLang's forward runs). A batch the blended prefill cannot serve (`blendable` False)
-        runs SGLang's forward too: every reused position gets its own slot back and its
-        tokens count as recomputed. A plan whose chunk does not match the batch's (never
-        expected) is computed in full the same way."""
+        runs SGLang's forward too: every reused position gets its own slot back, its tokens
+        count as recomputed, and the forward's attention backend (`attention`) builds its
+        metadata again on the rows as they are now. A plan whose chunk is not the batch's (never expected: the
+        batch was planned as SGLang allocated it) is refused: no forward could give the reused
+        positions outside the batch's chunk their KV."""
         if not self.planned:  # the common case: nothing restored for this batch
             return None
-        plans, at = [], 0
+        plans, at, in_full = [], 0, []
         for pool_index, prefix, extend in zip(forward_batch.req_pool_indices_cpu.tolist(),
                                               forward_batch.extend_prefix_lens_cpu,
                                               forward_batch.extend_seq_lens_cpu):
             plan = self.planned.pop(pool_index, None)
             if plan is not None and (plan.prefix_len, plan.extend_len) != (prefix, extend):
-                logger.warning("TokenDance plan for [%d, +%d) met a chunk [%d, +%d); computing it in full",
-                               plan.prefix_len, plan.extend_len, prefix, extend)
-                self._compute_in_full(plan, forward_batch, at)
+                raise RuntimeError(f"TokenDance planned the chunk [{plan.prefix_len}, +{plan.extend_len}) of a "
+                                   f"request whose forward computes [{prefix}, +{extend})")
+            if plan is not None and not blendable:  # (never expected: restore_segments plans no such batch)
+                in_full.append((plan, at))
                 plan = None
-            plans.append((plan, at))
+            plans.append(plan)
             at += extend
         for plan in self.planned.values():  # not in this forward (never expected)
             self.storage.revert(plan)
         self.planned.clear()
-        if not blendable:  # (never expected: restore_segments plans no such batch)
-            for plan, at in plans:
-                if plan is not None:
-                    self._compute_in_full(plan, forward_batch, at)
-            return None
-        plans = [plan for plan, _ in plans]
+        if in_full:
+            self._compute_in_full(in_full, forward_batch, attention)
         return plans if any(plans) else None
 
     def select_prompts(self, plans: list[ChunkPlan], layers: SGLangLayers, pool: PoolKV) -> None:
@@ -438,16 +437,22 @@ class SegmentForest(KeptMirrors):
         for plan, (recomputed, adopted_tokens, own) in zip(plans, counts):
             self._record_recomputed(plan, recomputed, adopted_tokens, own)
 
-    def _compute_in_full(self, plan: ChunkPlan, forward_batch, at: int) -> None:
-        """SGLang's forward computes the plan's reused tokens, each into its own slot (mirror
-        storage: the slots the forward writes, `forward_batch.out_cache_loc` from `at` on for
-        the plan's chunk, get them)."""
-        own = self.storage.revert(plan)
-        if own is not None:
-            where = plan.positions(own.device) - plan.prefix_len + at
-            forward_batch.out_cache_loc[where.to(forward_batch.out_cache_loc.device)] = own.to(
-                forward_batch.out_cache_loc.device, forward_batch.out_cache_loc.dtype)
-        self._record_recomputed(plan, plan.reused_tokens)
+    def _compute_in_full(self, plans: list[tuple[ChunkPlan, int]], forward_batch, attention) -> None:
+        """SGLang's forward computes the plans' reused tokens, each into its own slot (mirror
+        storage: the slots the forward writes, `forward_batch.out_cache_loc` from each plan's
+        `at` on, get them, and the attention metadata the backend built on the rows' reads
+        before this forward is built again on their own slots)."""
+        reverted = False
+        for plan, at in plans:
+            own = self.storage.revert(plan)
+            if own is not None:
+                where = plan.positions(own.device) - plan.prefix_len + at
+                forward_batch.out_cache_loc[where.to(forward_batch.out_cache_loc.device)] = own.to(
+                    forward_batch.out_cache_loc.device, forward_batch.out_cache_loc.dtype)
+                reverted = True
+            self._record_recomputed(plan, plan.reused_tokens)
+        if reverted:
+            attention.init_forward_metadata(forward_batch)
 
     def _record_recomputed(self, plan: ChunkPlan, recomputed: int, adopted: int = 0, own: int | None = None) -> None:
         """After the forward: `recomputed` of the plan's restored tokens were computed again,
@@ -608,7 +613,8 @@ def build_forest(ctx: TreeCacheBuildContext, options: Callable[[object], Request
 def blendable_request(req) -> bool:
     """Whether the blended prefill can serve a batch holding `req` (srt/forward_hook.blendable,
     known while SGLang builds the batch): it brings no input embeddings and wants no hidden
-    states (speculative decoding, which captures them too, is refused at launch)."""
+    states (SGLang's server-wide hidden-state modes and speculative decoding, which capture
+    them in every forward, are refused at launch)."""
     return req.input_embeds is None and not req.return_hidden_states
 
 

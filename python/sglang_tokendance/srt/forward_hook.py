@@ -23,12 +23,13 @@ from sglang_tokendance.srt.model import PoolKV, SGLangLayers
 def model_forward(forest, original, model, input_ids, positions, forward_batch, *args, **kwargs):
     """AROUND hook body (srt/runtime binds the scheduler's forest; None: not built yet, or
     another radix cache): the blended prefill when some request of an extend batch reuses."""
+    from sglang.srt.model_executor.forward_context import get_attn_backend, get_token_to_kv_pool
+
     plans = None
     if forest is not None and forward_batch.forward_mode.is_extend():
-        plans = forest.take_plans(forward_batch, blendable(forward_batch))
+        plans = forest.take_plans(forward_batch, blendable(forward_batch), get_attn_backend())
     if plans is None:
         return original(model, input_ids, positions, forward_batch, *args, **kwargs)
-    from sglang.srt.model_executor.forward_context import get_token_to_kv_pool
 
     layers = SGLangLayers(model, forward_batch)
     pool = PoolKV(get_token_to_kv_pool(), layers)

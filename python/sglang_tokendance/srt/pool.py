@@ -29,10 +29,16 @@ class RefCountedAllocator(TokenToKVPoolAllocator):
     frames: SlotFrames
     released: int = 0  # slots whose last reference went, ever (free now, or when a free group ends)
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # one SlotFrames for the allocator's life: the attention backend and the storage hold
+        # it, and a cache reset (`clear`) leaves it be -- whoever writes a slot next records
+        # its frame, so a free slot's stale frame is never read
+        self.frames = SlotFrames(self.size, self.device)
+
     def clear(self) -> None:
         super().clear()
         self.refs = SlotRefs(self.size, self.device)
-        self.frames = SlotFrames(self.size, self.device)
 
     def alloc(self, need_size: int):
         slots = super().alloc(need_size)

@@ -170,7 +170,11 @@ def _carry(obj, options: list[RequestOptions], batched: bool) -> None:
     carried = []
     for p, prompt_options in zip(base, options):
         p = dict(p or {})
-        p["custom_params"] = {**(p.get("custom_params") or {}), CARRIER_KEY: json.dumps(prompt_options.payload())}
+        custom = p.get("custom_params") or {}
+        if not isinstance(custom, dict):
+            raise SegmentError(f"`sampling_params.custom_params` must be an object (TokenDance carries a request's "
+                               f"options in it), got {type(custom).__name__}")
+        p["custom_params"] = {**custom, CARRIER_KEY: json.dumps(prompt_options.payload())}
         carried.append(p)
     obj.sampling_params = carried if batched else carried[0]
 
