@@ -467,6 +467,38 @@ def test_a_forward_that_computes_everything_gives_every_reused_position_its_own_
     assert forest.evictable_size() == 12 == 64 - allocator.available_size()
 
 
+def test_a_batch_short_of_slots_gives_up_first_the_reads_its_admission_did_not_credit():
+    """A reader SGLang admitted on what it takes (credited its reused tokens, its Master pinned
+    by another live reader, so its reads free nothing if given up) shares a batch with a row
+    that begins reading an evictable Master only as the batch is built (a continuing chunk:
+    SGLang charged its whole extend, counting that Master evictable). Pinned, that Master no
+    longer counts, and the batch is short by the late row's own slots. The late row gives its
+    reads up (its Master evictable again) and the batch fits; giving every row's up would ask
+    for the credited reader's whole extend, which is not there (SGLang's allocation would
+    raise Out of memory)."""
+    forest = mirror_forest()
+    allocator, rows = forest.token_to_kv_pool_allocator, forest.req_to_token_pool.req_to_token
+    for key in ("a", "b"):
+        author = allocator.alloc(12)
+        forest.storage.cache(((None, None), key), list(range(100, 112)), author.to(torch.int32), 0, 12)
+        allocator.free(author)  # the Masters alone hold their slots
+    other = reading_req(forest, 0, [SegmentSpan(0, 12, "a")], 20)
+    restore(forest, [other])
+    forest.settle([forest.planned.pop(0)], None, None)  # it reads "a" (pinned) for as long as it lives
+    assert (allocator.available_size(), forest.evictable_size()) == (32, 12)  # "b" alone evictable
+    reader = reading_req(forest, 1, [SegmentSpan(0, 12, "a")], 20)
+    assert forest.admit(reader) == 12 - 3  # charged 8 fresh + 3 own
+    late = reading_req(forest, 2, [SegmentSpan(0, 12, "b")], 32)  # charged its 32
+    restore(forest, [reader, late])
+    master_a = forest.segments.entries[((None, None), "a")].slots
+    assert torch.equal(rows[1, :12].long(), master_a) and forest.planned[1].own.numel() == 3  # still reads
+    assert forest.requests[late].counts.computed_tokens == 32  # the late row computes its chunk, as SGLang charged
+    assert ((None, None), "b") not in forest.segments.entries and allocator.available_size() == 44 - 43  # evicted
+    assert rows[2, :32].unique().numel() == 32
+    forest.settle([forest.planned.pop(1)], None, None)
+    assert forest.stats()["pinned_segments"] == 1 and forest.evictable_size() == 0
+
+
 def test_a_plan_met_by_another_chunk_is_refused():
     """The forward must compute the chunk its plan was made for: reused positions outside the
     batch's chunk could get their KV from no forward."""

@@ -104,6 +104,7 @@ class SegmentForest(KeptMirrors):
         self.wanted: set[int] = set()  # ids of the segments the batch being allocated will read (dense)
         # mirror storage: each extend length of the batch being allocated, with its plan where it reads
         self.reading: list[tuple[int, ChunkPlan | None]] | None = None
+        self.late: list[ChunkPlan] = []  # those of its plans that hold their Masters since the batch was built
         self.storage = MasterStorage(keys, params.token_to_kv_pool_allocator, params.req_to_token_pool,
                                      lambda tokens: self.evict(EvictParams(num_tokens=tokens)), zero_copy,
                                      diff_threshold)
@@ -294,9 +295,9 @@ class SegmentForest(KeptMirrors):
         Rows whose allocation did not come through `allocate_extend` (never expected) read
         nothing."""
         reading = [plan for plan in plans if plan.runs]
-        for plan in reading:
-            if plan.prefix_len not in plan.request.read_slots:
-                self.storage.hold_reads(plan)
+        self.late = [plan for plan in reading if plan.prefix_len not in plan.request.read_slots]
+        for plan in self.late:  # not admitted holding them (a continuing chunk): SGLang charged its whole extend
+            self.storage.hold_reads(plan)
         by_req = {id(plan.request.req): plan for plan in reading}
         self.reading = [(req.extend_end - req.prefix_len, by_req.get(id(req))) for req in batch.reqs] \
             if reading else None
@@ -306,7 +307,7 @@ class SegmentForest(KeptMirrors):
             self._give_up(reading)
             raise
         finally:
-            laid_out, self.reading = self.reading is None, None
+            laid_out, self.reading, self.late = self.reading is None, None, []
         if not laid_out:
             self._give_up(reading)
         return result
@@ -318,28 +319,41 @@ class SegmentForest(KeptMirrors):
         at the Masters once the rows are written: nothing of the forward's own writes reaches a
         Master, and no frame is recorded on one), and each such row gets its own slots for the
         tokens it can keep (`ChunkPlan.own`). Where even that would not fit (the Masters pinned,
-        so not evictable), every row gives its reads up and SGLang allocates as it would."""
+        so not evictable), the rows that hold their Masters only since the batch was built give
+        their reads up first (SGLang's admission charged them their whole extend, and counted
+        their Masters evictable), then, if it still would not fit, every row, and SGLang
+        allocates as it would."""
         reading, self.reading = self.reading, None
         if reading is None or sum(n for n, _ in reading) != num_tokens:
             self.reading = reading  # not the extend allocation of the batch being built
             return allocate(num_tokens)
-        shared, at = torch.zeros(num_tokens, dtype=torch.bool), 0
-        plans = [plan for _, plan in reading if plan is not None]
-        for extend_len, plan in reading:
-            if plan is not None:
-                shared[at + plan.positions(shared.device) - plan.prefix_len] = True
-            at += extend_len
-        spare = [self._own_slots(plan) for plan in plans]
-        fresh = num_tokens - int(shared.sum())
-        if fresh + sum(spare) > self.token_to_kv_pool_allocator.available_size() + self.evictable_size():
-            self._give_up(plans)
+        plans, allocator = [plan for _, plan in reading if plan is not None], self.token_to_kv_pool_allocator
+        for tier in (self.late, plans):
+            shared, own = self._extend_layout(reading, num_tokens)
+            fresh = num_tokens - int(shared.sum())
+            if fresh + sum(n for _, n in own) <= allocator.available_size() + self.evictable_size():
+                break
+            self._give_up(tier)
+        else:
             return allocate(num_tokens)
-        slots = allocate(fresh + sum(spare))
+        slots = allocate(fresh + sum(n for _, n in own))
         out = torch.zeros(num_tokens, dtype=slots.dtype, device=slots.device)
         out[~shared.to(slots.device)] = slots[:fresh]
-        for plan, own in zip(plans, slots[fresh:].split(spare)):
-            plan.own = own.to(torch.int64)
+        for (plan, _), mine in zip(own, slots[fresh:].split([n for _, n in own])):
+            plan.own = mine.to(torch.int64)
         return out
+
+    def _extend_layout(self, reading: list[tuple[int, ChunkPlan | None]], num_tokens: int
+                       ) -> tuple[torch.Tensor, list[tuple[ChunkPlan, int]]]:
+        """Of the batch's `num_tokens` extend positions, those its rows read from Masters, and
+        the own slots each row that reads needs."""
+        shared, own, at = torch.zeros(num_tokens, dtype=torch.bool), [], 0
+        for extend_len, plan in reading:
+            if plan is not None and plan.runs:
+                shared[at + plan.positions(shared.device) - plan.prefix_len] = True
+                own.append((plan, self._own_slots(plan)))
+            at += extend_len
+        return shared, own
 
     def _own_slots(self, plan: ChunkPlan) -> int:
         """The own slots `plan`'s row needs for the reused tokens it can keep (srt/reuse
