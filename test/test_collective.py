@@ -176,3 +176,18 @@ def test_a_late_member_joins_the_others_behind_a_leader_still_prefilling():
     g.release_due(now=2.0, led=lambda leader: leader == "a")
     assert not g.is_held("b") and not g.is_held("c")
     assert record.wait_s == pytest.approx(0.05 + 0.05 + (2.0 - 0.05) + (2.0 - 1.0))
+
+
+def test_a_round_id_reused_for_the_next_round_opens_it_while_the_last_ones_leader_prefills():
+    """A complete round takes no more members: the same id names the client's next round,
+    which is held for its own members and led by its own leader."""
+    g = grouper(window_s=0.05, lead=True)
+    for name in "ab":
+        g.arrive(name, NS, RoundTag("chat", 2), ["x"], now=0)
+    [first] = g.release_due(now=0, led=lambda leader: False)
+    g.admitted([g.group_of["a"].leader])
+    nxt = g.arrive("c", NS, RoundTag("chat", 2), ["y"], now=0.01)  # round 2, while round 1's leader prefills
+    assert nxt is not None and not nxt.released and first.members == 2
+    g.arrive("d", NS, RoundTag("chat", 2), ["y"], now=0.02)
+    [second] = g.release_due(now=0.02, led=lambda leader: False)
+    assert (second.members, second.fallback, second.led) == (2, False, True) and g.group_of["c"] is g.group_of["d"]

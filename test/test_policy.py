@@ -123,6 +123,29 @@ def test_led_round_goes_on_when_its_leader_ends_or_is_aborted():
     assert sched.schedule() == ["d"]
 
 
+def test_a_member_behind_its_rounds_leader_is_counted_in_the_metrics_as_in_the_stats():
+    from sglang_tokendance.srt.metrics import RoundMetrics
+
+    class Recorder(RoundMetrics):
+        members = 0
+
+        def count_round(self, record) -> None:
+            self.members += record.members
+
+        def count_late_member(self) -> None:
+            self.members += 1
+
+    clock, sched = setup(window_ms=100, leader=True)
+    sched.policy.metrics = recorder = Recorder()
+    sched.waiting_queue += [req("a", "r", 3, hashes=["x", "y"]), req("b", "r", 3, hashes=["x"])]
+    assert sched.schedule() == []
+    clock.now = 0.1  # the window expired: released short, its leader first
+    assert sched.schedule() == ["a"]
+    sched.waiting_queue.append(req("c", "r", 3, hashes=["x"]))  # late, behind the leader still prefilling
+    assert sched.schedule() == [] and recorder.members == 3
+    assert sched.policy.grouper.stats()["mean_group_size"] == 3
+
+
 def test_released_group_stands_together_where_its_first_member_stood():
     clock, sched = setup()
     sched.waiting_queue += [req("a", "r", 2), req("p1"), req("p2")]

@@ -229,6 +229,8 @@ MIRROR = TokenDanceArgs(storage="mirror")
      "only the tokendance attention backend"),
     (MIRROR, {"attention_backend": "tokendance", "device": "cuda", "disable_cuda_graph": False},
      "--disable-cuda-graph", "without CUDA graphs"),
+    (MIRROR, {"attention_backend": "tokendance", "kv_events_config": '{"publisher": "zmq"}'}, "--kv-events-config",
+     "cannot hash"),
     (TokenDanceArgs(storage="mirror", disable_tokendance=True), {"attention_backend": "tokendance"},
      "--tokendance-storage", "--disable-tokendance switches off"),
     (TokenDanceArgs(storage="mirror", sparse_writeback=False), {"attention_backend": "tokendance"},
@@ -244,6 +246,7 @@ def test_storage_and_attention_backend_must_agree(args, overrides, flag, says):
     check_server_args(MIRROR, sglang_args(attention_backend="tokendance"))
     check_server_args(MIRROR, sglang_args(attention_backend="tokendance", device="cuda", disable_cuda_graph=True,
                                           disable_overlap_schedule=True))
+    check_server_args(TokenDanceArgs(), sglang_args(kv_events_config='{"publisher": "zmq"}'))  # dense: SGLang's tree
     with pytest.raises(TokenDanceArgsError, match=flag) as refused:
         check_server_args(args, sglang_args(**overrides))
     assert says in str(refused.value) and "\n" not in str(refused.value)

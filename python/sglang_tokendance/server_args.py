@@ -337,6 +337,10 @@ def _check_storage(args: TokenDanceArgs, get: Callable[..., Any]) -> None:
     if str(get("device") or "cuda") != "cpu" and not get("disable_cuda_graph"):
         raise TokenDanceArgsError("--disable-cuda-graph", f"the {ATTENTION_BACKEND} attention backend (mirror "
                                                           "storage) runs without CUDA graphs")
+    if get("kv_events_config"):
+        raise TokenDanceArgsError("--kv-events-config", "mirror storage keeps an agent's row in SGLang's tree under "
+                                  "a namespace no client can send, which SGLang's KV events cannot hash; use "
+                                  "dense storage with KV events")
 
 
 def tokendance_info(args: TokenDanceArgs) -> dict[str, Any]:

@@ -141,9 +141,11 @@ class RoundGrouper(Generic[T]):
             key = (namespace, tag.round_id)
             if key in self.open:
                 return self.open[key]
-            led = next((g for g in self.leading.values() if g.key == key and g.leader is not None), None)
+            led = next((g for g in self.leading.values() if g.key == key and g.leader is not None
+                        and (g.size is None or g.arrived < g.size)), None)
             if led is not None:
                 return led  # a late member joins the others behind the leader still prefilling
+            # (a round complete already: the round id names the next round now)
             if self._straggler(key, now):
                 return None
             return self._open(RoundGroup(key, tag.round_id, tag.size, now, inferred=False))
@@ -261,15 +263,18 @@ class RoundGrouper(Generic[T]):
         first member stands, and members with the same segments next to each other (so a
         prefill budget that splits the group splits it between segment sets). Everything
         else keeps its place and order."""
-        placed: set[int] = set()
+        waiting: dict[int, list[T]] = {}  # each released group's members in the queue, in its order
+        for item in queue:
+            group = self.group_of.get(item)
+            if group is not None and group.released:
+                waiting.setdefault(id(group), []).append(item)
         out: list[T] = []
         for item in queue:
             group = self.group_of.get(item)
             if group is None or not group.released:
                 out.append(item)
-            elif id(group) not in placed:
-                placed.add(id(group))
-                members = [m for m in queue if self.group_of.get(m) is group]
+            elif id(group) in waiting:
+                members = waiting.pop(id(group))
                 first_seen = {}
                 for m in members:
                     first_seen.setdefault(group.members[m], len(first_seen))

@@ -124,6 +124,9 @@ class RoundMetrics:
     def count_round(self, record: RoundRecord) -> None:
         """A round group was released (complete, or its window expired)."""
 
+    def count_late_member(self) -> None:
+        """A request joined a released round behind its leader still prefilling."""
+
     def count_wait(self, seconds: float) -> None:
         """Requests were held this long in all, for their round's members or its leader."""
 
@@ -152,6 +155,9 @@ class PrometheusRoundMetrics(RoundMetrics):
         self.members.inc(record.members)
         self.fallbacks.inc(record.fallback)
         self.led.inc(record.led)
+
+    def count_late_member(self) -> None:
+        self.members.inc()
 
     def count_wait(self, seconds: float) -> None:
         self.wait.inc(seconds)

@@ -84,8 +84,10 @@ class RoundPolicy:
             options = self.options(req)
             if len(req.output_ids) > 0:  # retracted after decoding: never held again
                 self.grouper.arrive(req, namespace_of(req), None, (), now)
-            else:
-                self.grouper.arrive(req, namespace_of(req), options.round, options.hashes, now)
+                continue
+            group = self.grouper.arrive(req, namespace_of(req), options.round, options.hashes, now)
+            if group is not None and group.released:  # behind its released round's leader
+                self.metrics.count_late_member()
 
     def order(self, result, schedule_policy, waiting_queue: list, *unused, **unused_kw):
         """AFTER hook on SchedulePolicy.calc_priority: released groups stand together."""
