@@ -35,11 +35,11 @@ def sglang_parts():
 class Runner:
     """What an attention backend takes from SGLang's ModelRunner: its pools, device, config."""
 
-    def __init__(self, parts, config):
+    def __init__(self, parts, config, kv_dtype: torch.dtype = torch.float32):
         self.device = "cpu"
         self.model_config = SimpleNamespace(hf_config=config)
         self.req_to_token_pool = parts.rows(size=4, max_context_len=64, device="cpu", enable_memory_saver=False)
-        self.token_to_kv_pool = parts.pool(size=128, page_size=1, dtype=torch.float32, head_num=KV_HEADS,
+        self.token_to_kv_pool = parts.pool(size=128, page_size=1, dtype=kv_dtype, head_num=KV_HEADS,
                                            head_dim=D, layer_num=1, device="cpu", enable_memory_saver=False)
 
 
@@ -96,13 +96,16 @@ class Paths:
                                           ("llama", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                      "high_freq_factor": 4.0,
                                                      "original_max_position_embeddings": 16})])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 def test_tokendance_backend_reads_masters_at_a_shift_and_runs_sglangs_attention_elsewhere(
-        sglang_parts, arch, scaling, monkeypatch):
+        sglang_parts, arch, scaling, kv_dtype, monkeypatch):
     """A reader whose row points at an author's slots (a Master read in place at shift -4)
     gets what torch_native gives a reader holding its own copy of that KV rotated to its
     positions, for a chunk after that prefix and decode steps; rows without a shift -- every
     forward of the author, the author's row in a mixed decode batch -- run SGLang's own
-    attention (bit-for-bit torch_native's outputs), and only the reader takes the shifted path."""
+    attention (bit-for-bit torch_native's outputs), and only the reader takes the shifted path.
+    A KV cache of another dtype than the model's (`--kv-cache-dtype bfloat16` under float32) is
+    read as torch_native reads it, cast to the query's."""
     from sglang_tokendance.core.rope import rerotate
     from sglang_tokendance.core.slot_frames import SlotFrames
 
@@ -112,7 +115,8 @@ def test_tokendance_backend_reads_masters_at_a_shift_and_runs_sglangs_attention_
         config.rope_parameters = {**config.rope_parameters, **scaling}
     spec = RopeSpec.from_hf_config(config)
     assert spec.scaling.type == (scaling or {}).get("rope_type", "default")
-    reference, mirror = Runner(parts, config), Runner(parts, config)
+    reference, mirror = Runner(parts, config, kv_dtype), Runner(parts, config, kv_dtype)
+    tolerance = 2e-5 if kv_dtype == torch.float32 else 3e-2  # the copies rounded to bfloat16 after rotating
     frames = SlotFrames(128)
     mirror.token_to_kv_pool_allocator = SimpleNamespace(frames=frames)
     backends = parts.torch_native(reference), parts.tokendance(mirror)
@@ -138,7 +142,7 @@ def test_tokendance_backend_reads_masters_at_a_shift_and_runs_sglangs_attention_
             backend.init_forward_metadata(fb)
             run = backend.forward_extend if mode.is_extend() else backend.forward_decode
             outs.append(run(q.clone(), k.clone(), v.clone(), layer, fb))
-        torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(outs[1], outs[0], atol=tolerance, rtol=tolerance)
         return outs[1] - outs[0]
 
     # the author's prompt in two chunks: no shift anywhere, SGLang's attention bit for bit
@@ -155,10 +159,10 @@ def test_tokendance_backend_reads_masters_at_a_shift_and_runs_sglangs_attention_
     for runner, masters in ((reference, copies), (mirror, author)):
         pool, table = runner.token_to_kv_pool, runner.req_to_token_pool.req_to_token
         keys, values = pool.get_key_buffer(0), pool.get_value_buffer(0)
-        keys[own], values[own] = k_own, v_own
+        keys[own], values[own] = k_own.to(kv_dtype), v_own.to(kv_dtype)
         table[READER, :6], table[READER, 6:18] = own.to(table.dtype), masters.to(table.dtype)
     ref_keys, ref_values = reference.token_to_kv_pool.get_key_buffer(0), reference.token_to_kv_pool.get_value_buffer(0)
-    ref_keys[copies] = rerotate(ref_keys[author], written_at, read_at, spec)
+    ref_keys[copies] = rerotate(ref_keys[author].float(), written_at, read_at, spec).to(kv_dtype)
     ref_values[copies] = ref_values[author]
     frames.record(own, torch.arange(6))
     assert torch.equal(frames.shifts(mirror.req_to_token_pool.req_to_token[READER, :18].to(torch.int64))[6:],

@@ -93,6 +93,21 @@ def test_batched_text_mixing_marked_and_plain_prompts(server):
     assert len(batch[0]["meta_info"]["tokendance"]["segments"]) == 1
 
 
+def test_a_batch_of_token_ids_keeps_each_prompts_sampling_params_beside_options(server):
+    params = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in (2, 5)]
+    for carrier in ({"tokendance": {"round": "ids", "round_size": 2}},
+                    {"custom_labels": {"tokendance": json.dumps({"round": "ids2", "round_size": 2})}}):
+        r = post(server, "/generate", {"input_ids": [[1, 2, 3, 4], [5, 6, 7, 8]], "sampling_params": params, **carrier})
+        assert r.status_code == 200, r.text
+        assert [len(o["output_ids"]) for o in r.json()] == [2, 5]
+        assert all(o["meta_info"]["tokendance"]["round"] == carrier_round(carrier) for o in r.json())
+
+
+def carrier_round(carrier: dict) -> str:
+    options = carrier.get("tokendance") or json.loads(carrier["custom_labels"]["tokendance"])
+    return options["round"]
+
+
 def test_plain_prompt_is_untouched_and_client_cannot_forge_segments(server):
     forged = json.dumps({"segments": [{"start": 0, "end": 3, "hash": "f" * 32}]})
     out = generate(server, "The capital of France is", 8, **{})
@@ -218,6 +233,9 @@ def test_bad_requests_get_400_and_good_ones_are_unchanged(server):
         assert r.status_code == 400, (body, r.text)
         assert message in r.text, (body, r.text)
         assert generate(server, good[0], 10)["output_ids"] == before[0]
+    for body in ({"text": "word " * 2100}, {"input_ids": []}, {"input_ids": [5, 10 ** 7]}):  # SGLang's prompt errors
+        streamed = post(server, "/generate", {**body, "stream": True, "sampling_params": {"max_new_tokens": 4}})
+        assert streamed.status_code == 200 and '"error"' in streamed.text, (body, streamed.text)
     bad_chat = post(server, "/v1/chat/completions", {"model": "m", "max_tokens": 4, "messages": [
         {"role": "user", "content": f"x{SEP}{SEP}y"}]})
     assert bad_chat.status_code == 400 and "empty" in bad_chat.text

@@ -63,6 +63,10 @@ def test_blend_options_parse_and_validate():
                                  ("--tokendance-group-probe", "-1", ">= 0"),
                                  ("--tokendance-max-approximate-tokens", "-2", ">= -1"),
                                  ("--tokendance-diff-threshold", "-0.1", ">= 0"),
+                                 ("--tokendance-recompute-ratio", "nan", "in \\[0, 1\\], got nan"),
+                                 ("--tokendance-round-window-ms", "nan", "in \\[0, 60000\\]"),
+                                 ("--tokendance-screen-factor", "inf", ">= 1, got inf"),
+                                 ("--tokendance-diff-threshold", "nan", ">= 0"),
                                  ("--tokendance-group-probe", "1", "needs --tokendance-group-selection aligned")]:
         with pytest.raises(TokenDanceArgsError, match=message) as err:
             parse([flag, value])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import json
 import os
 from dataclasses import dataclass, field
@@ -159,7 +160,7 @@ class TokenDanceArgs:
             )
         for name, (low, high) in _RANGES.items():
             value = getattr(self, name)
-            if value < low or (high is not None and value > high):
+            if not math.isfinite(value) or value < low or (high is not None and value > high):
                 bounds = f">= {low:g}" if high is None else f"in [{low:g}, {high:g}]"
                 raise TokenDanceArgsError(flag_of(_field(name)), f"must be {bounds}, got {value}")
         for name, choices in (("selection", SELECTION_RULES), ("selection_granularity", GRANULARITIES),

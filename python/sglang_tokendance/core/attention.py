@@ -154,9 +154,10 @@ def attend(grid: Grid, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: 
     (softmax weights summed over queries and heads)."""
     rows, lq, lk = grid.shape
     kg, vg = keys[grid.kv_slots], values[grid.kv_slots]  # [B, Lk, kv_heads, d] copies
-    if grid.overlay_tokens.numel():
-        kg.view(rows * lk, *kg.shape[2:])[grid.overlay_index] = k[grid.overlay_tokens]
-        vg.view(rows * lk, *vg.shape[2:])[grid.overlay_index] = v[grid.overlay_tokens]
+    if grid.overlay_tokens.numel():  # (in the cache's dtype: what the pool would hold)
+        kg.view(rows * lk, *kg.shape[2:])[grid.overlay_index] = k[grid.overlay_tokens].to(kg.dtype)
+        vg.view(rows * lk, *vg.shape[2:])[grid.overlay_index] = v[grid.overlay_tokens].to(vg.dtype)
+    kg, vg = kg.to(q.dtype), vg.to(q.dtype)  # a KV cache of another dtype is read as SGLang's torch_native does
     if reads is not None:
         shift = reads.shifts(grid.kv_slots)
         shift.view(-1)[grid.overlay_index] = 0

@@ -256,8 +256,8 @@ def tiled_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     out = q.new_empty(q.shape[0], q.shape[1], values.shape[2])
     for call in tiles.calls:
         slots = tiles.slots[call.tiles]
-        part, lse = sdpa_with_lse(tq[call.tiles], tiles.gather(keys, slots, 0).transpose(1, 2),
-                                  tiles.gather(values, slots, 1).transpose(1, 2),
+        part, lse = sdpa_with_lse(tq[call.tiles], tiles.gather(keys, slots, 0).transpose(1, 2).to(q.dtype),
+                                  tiles.gather(values, slots, 1).transpose(1, 2).to(q.dtype),
                                   padding[call.tiles, None, None], scale)
         weight = torch.softmax(lse[:, :, 0][call.spread].masked_fill_(call.hole, float("-inf")), 1)  # [R, M, heads]
         out[call.rows] = torch.einsum("rmh,rmhd->rhd", weight, part[:, :, 0].float()[call.spread]).to(q.dtype)

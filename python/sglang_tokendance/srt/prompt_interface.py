@@ -129,7 +129,8 @@ def apply_segments(obj, *, segments_field, from_chat: bool, segmenter: Segmenter
         items = texts if batched else [texts]
         if texts is None or not any(isinstance(t, str) and segmenter.has_marker(t) for t in items):
             if options != RequestOptions():  # a plain prompt keeps SGLang's own path; only the options ride along
-                _carry(obj, [options] * (len(items) if batched else 1), batched)
+                count = _batch_size(obj)
+                _carry(obj, [options] * (count or 1), count is not None)
             return
         if obj.input_ids is not None:
             raise SegmentError("separators in `text` cannot be combined with `input_ids`")
@@ -155,6 +156,17 @@ def _is_batch_of_pieces(value: Any) -> bool:
         and all(isinstance(item, list) for item in value)
         and any(isinstance(p, (str, list)) for item in value for p in item)
     )
+
+
+def _batch_size(obj) -> int | None:
+    """The prompts of a batched request (a list of texts, or of token-id lists, as SGLang
+    reads them), None for one prompt."""
+    if isinstance(obj.text, list):
+        return len(obj.text)
+    ids = obj.input_ids
+    if obj.text is None and isinstance(ids, list) and ids and isinstance(ids[0], list):
+        return len(ids)
+    return None
 
 
 def _segments_as_prompts(value: Any) -> list[list[Piece]]:
