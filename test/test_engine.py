@@ -9,6 +9,15 @@ from conftest import hf_greedy
 pytestmark = pytest.mark.slow
 
 
+def test_engine_refuses_a_built_server_args():
+    """Our defaults (model, CPU flags, the forest) and the launch checks read the keywords; a
+    ServerArgs built already would bypass all of them."""
+    import sglang_tokendance
+
+    with pytest.raises(TypeError, match="not server_args="):
+        sglang_tokendance.Engine(server_args=object())
+
+
 def test_engine_defaults_to_smollm2_and_matches_hf(hf_smollm2):
     import sglang_tokendance
 

@@ -93,6 +93,20 @@ def test_bad_text_is_rejected(segmenter, text, match):
         segmenter.from_text(text)
 
 
+@pytest.mark.parametrize("separator", ["<|sep|>", "[[SEP]]"])
+def test_a_custom_separators_core_is_a_marker_only_as_a_word_of_its_own(tokenizer, separator):
+    """Prose that holds a short separator's core inside a word ("separate", "SEPTEMBER") is a
+    plain prompt; the core left standing alone (a broken marker) is still refused."""
+    seg = make(tokenizer, separator=separator)
+    core = separator.strip("<>|[]{}()")
+    for prose in ("Please separate the eggs.", "SEPTEMBER 5, sepal, xSEPx", f"{core}x and x{core}"):
+        assert not seg.has_marker(prose) and seg.from_text(prose).spans == ()
+    marked = seg.from_text(f"a{separator}{BLOCK}{separator}b")
+    assert seg.has_marker(f"a{separator}b") and len(marked.spans) == 1
+    with pytest.raises(SegmentError, match="malformed"):
+        seg.from_text(f"a{separator}{BLOCK}{separator[:-1]} b")
+
+
 def test_too_many_segments(tokenizer):
     seg = make(tokenizer, max_segments=2)
     seg.from_text(SEP.join(["a", BLOCK, OTHER, "b"]))

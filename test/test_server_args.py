@@ -107,6 +107,25 @@ def test_cpu_defaults_fill_only_what_is_not_given(smollm2_path):
     assert argv[argv.index("--model-path") + 1] == str(smollm2_path)
 
 
+def test_a_config_file_counts_as_given_and_the_command_line_wins(tmp_path, smollm2_path):
+    """`--config FILE` (SGLang's YAML of flags, ours included) is expanded before our defaults
+    fill what is not given: the file's model and dtype stay, its TokenDance flags are read,
+    and a flag also on the command line takes the command line's value."""
+    from sglang_tokendance.launch_server import _tokendance_parser, expand_config
+
+    config = tmp_path / "server.yaml"
+    config.write_text("model-path: /models/mine\ndtype: bfloat16\ntokendance-storage: mirror\n"
+                      "tokendance-recompute-ratio: 0.2\nenable-metrics: true\n")
+    argv = expand_config(["--config", str(config), "--tokendance-recompute-ratio", "0.4"])
+    namespace, sglang_argv = _tokendance_parser().parse_known_args(argv)
+    ours = TokenDanceArgs.from_cli_args(namespace)
+    assert ours.mirror_storage and ours.recompute_ratio == 0.4
+    merged = with_defaults(sglang_argv, on_cpu=True, forest=True, mirror=True)
+    assert merged.count("--model-path") == 1 and merged[merged.index("--model-path") + 1] == "/models/mine"
+    assert merged.count("--dtype") == 1 and merged[merged.index("--dtype") + 1] == "bfloat16"
+    assert given(merged, "--enable-metrics") and "--config" not in merged
+
+
 def test_forest_is_the_default_radix_cache_unless_told_otherwise(smollm2_path):
     argv = with_defaults([], on_cpu=False, forest=True)
     assert argv[argv.index("--radix-cache-backend") + 1] == "tokendance"

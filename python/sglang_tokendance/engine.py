@@ -1,6 +1,7 @@
 """`sglang_tokendance.Engine`: SGLang's offline engine with TokenDance, same API.
 
-Takes every `sglang.Engine` keyword plus `tokendance_*` / `disable_tokendance`; `model_path`
+Takes every `sglang.Engine` keyword (ServerArgs' fields; not a built `server_args`) plus
+`tokendance_*` / `disable_tokendance`; `model_path`
 defaults to the prepared SmolLM2 and, without CUDA, the CPU defaults fill what is not given.
 Import this module before SGLang's runtime modules: SGLang decides at import time whether it
 runs its CPU engine.
@@ -29,6 +30,9 @@ from sglang.srt.entrypoints.engine import Engine as SGLangEngine  # noqa: E402  
 
 class Engine(SGLangEngine):
     def __init__(self, **kwargs: Any):
+        if "server_args" in kwargs:  # built already: our defaults and checks could not tell what was given
+            raise TypeError("sglang_tokendance.Engine takes ServerArgs' fields as keywords, not server_args=: "
+                            "its defaults fill, and its checks read, what the keywords give")
         tokendance_args, kwargs = TokenDanceArgs.split_kwargs(kwargs)
         tokendance_args.export_to_env()  # read by our plugin in every spawned process
         if "model_path" not in kwargs:

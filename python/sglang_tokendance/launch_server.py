@@ -83,12 +83,30 @@ def with_defaults(argv: list[str], on_cpu: bool, forest: bool = False, mirror: b
     return argv + extra
 
 
+def expand_config(argv: list[str]) -> list[str]:
+    """argv with `--config FILE` replaced by the file's flags, SGLang's and ours, by SGLang's
+    own merger (the command line wins), so our defaults see what the file gives."""
+    if "--config" not in argv:
+        return argv
+    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger
+
+    parser = argparse.ArgumentParser(add_help=False)
+    ServerArgs.add_cli_args(parser)
+    TokenDanceArgs.add_cli_args(parser)
+    return ConfigArgumentMerger(parser).merge_config_with_args(argv)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
         _print_help()
         return
     parser = _tokendance_parser()
+    try:
+        argv = expand_config(argv)
+    except ValueError as e:
+        parser.error(str(e))
     td_namespace, sglang_argv = parser.parse_known_args(argv)
     unknown = [a.split("=")[0] for a in sglang_argv if a.startswith("--tokendance-")]
     if unknown:

@@ -12,6 +12,7 @@ Plain torch-free Python: the tokenizer is any object with `encode(text, add_spec
 from __future__ import annotations
 
 import hashlib
+import re
 from array import array
 from dataclasses import dataclass
 from typing import Iterable, Protocol, Sequence, Union
@@ -58,6 +59,15 @@ def segment_hash(token_ids: Sequence[int], model_salt: bytes) -> str:
     return digest.hexdigest()
 
 
+def _marker_core(separator: str) -> re.Pattern:
+    """What is left of a marker once its punctuation is gone (a broken marker keeps it), as a
+    word of its own: a core such as `sep` of `<|sep|>` inside "separate" is prose, not a marker."""
+    core = separator.strip("<>|[]{}()") or separator
+    before = r"(?<!\w)" if re.match(r"\w", core) else ""
+    after = r"(?!\w)" if re.match(r"\w", core[-1]) else ""
+    return re.compile(before + re.escape(core) + after)
+
+
 class Segmenter:
     """Turns marked text, or an explicit list of pieces, into ids + shared segment spans."""
 
@@ -71,19 +81,19 @@ class Segmenter:
         self.min_segment_tokens = min_segment_tokens
         self.max_segments = max_segments
         self.special_tokens = tuple(t for t in special_tokens if t)
-        # What is left of a marker once its punctuation is gone: a broken marker keeps it.
-        self._marker_core = separator.strip("<>|[]{}()") or separator
+        self._marker_core = _marker_core(separator)
 
     def has_marker(self, text: str) -> bool:
-        return self._marker_core in text
+        return self._marker_core.search(text) is not None
 
     def split_text(self, text: str) -> list[str]:
         """The pieces of marked text, rejecting broken markers and split special tokens."""
         pieces = text.split(self.separator)
         for i, piece in enumerate(pieces):
-            if self._marker_core in piece:
+            broken = self._marker_core.search(piece)
+            if broken is not None:
                 raise SegmentError(
-                    f"malformed separator near {piece[max(0, piece.index(self._marker_core) - 8):][:40]!r}: "
+                    f"malformed separator near {piece[max(0, broken.start() - 8):][:40]!r}: "
                     f"write it exactly as {self.separator!r}"
                 )
             if i > 0:
