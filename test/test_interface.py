@@ -204,6 +204,7 @@ BAD_REQUESTS = [
     ({"text": SEP.join(["x", "y"]), "sampling_params": {"custom_params": "z"}}, "custom_params` must be an object"),
     ({"text": "a", "tokendance": {"round": "r"}, "sampling_params": {"custom_params": [1]}, "stream": True},
      "custom_params` must be an object"),
+    ({"text": "a", "tokendance": {"round": "r", "round_size": 2}, "sampling_params": {"n": 2}}, "need n = 1"),
 ]
 
 

@@ -186,6 +186,11 @@ def _carry(obj, options: list[RequestOptions], batched: bool) -> None:
         if not isinstance(custom, dict):
             raise SegmentError(f"`sampling_params.custom_params` must be an object (TokenDance carries a request's "
                                f"options in it), got {type(custom).__name__}")
+        n = p.get("n")
+        if isinstance(n, int) and n > 1 and (prompt_options.round or prompt_options.agent
+                                             or prompt_options.register_output):
+            raise SegmentError("`round`, `agent` and `register_output` need n = 1: parallel sampling sends a "
+                               "prompt n + 1 times (a warm-up, then each sample)")
         p["custom_params"] = {**custom, CARRIER_KEY: json.dumps(prompt_options.payload())}
         carried.append(p)
     obj.sampling_params = carried if batched else carried[0]
