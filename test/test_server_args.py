@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -213,6 +214,13 @@ def sglang_args(**overrides):
     ({"return_hidden_states_mode": "last"}, "--return-hidden-states-mode"),
     ({"device": "cuda", "disable_cuda_graph": False, "disable_overlap_schedule": True}, "--disable-prefill-cuda-graph"),
     ({"device": "cuda", "disable_overlap_schedule": False}, "--disable-overlap-schedule"),
+    ({"device": "cuda", "disable_cuda_graph": False, "disable_prefill_cuda_graph": True,
+      "cuda_graph_backend_prefill": "full", "disable_overlap_schedule": True}, "--disable-prefill-cuda-graph"),
+    ({"device": "cuda", "disable_overlap_schedule": True, "cuda_graph_config": {"prefill": {"backend": "breakable"}}},
+     "--disable-prefill-cuda-graph"),
+    ({"device": "cuda", "disable_overlap_schedule": True,  # SGLang's resolved config: what every flag gave
+      "cuda_graph_config": SimpleNamespace(prefill=SimpleNamespace(backend="full"),
+                                           decode=SimpleNamespace(backend="full"))}, "--disable-prefill-cuda-graph"),
 ])
 def test_configurations_the_blended_prefill_cannot_serve_are_refused(overrides, flag):
     from sglang_tokendance.server_args import check_server_args
@@ -231,6 +239,10 @@ def test_plain_float_kv_caches_and_gpu_without_prefill_graphs_pass():
         check_server_args(TokenDanceArgs(), sglang_args(kv_cache_dtype=dtype))
     check_server_args(TokenDanceArgs(), sglang_args(device="cuda", disable_cuda_graph=False,
                                                     disable_prefill_cuda_graph=True, disable_overlap_schedule=True))
+    check_server_args(TokenDanceArgs(), sglang_args(  # resolved: decode graphs on, prefill off
+        device="cuda", disable_cuda_graph=False, disable_overlap_schedule=True,
+        cuda_graph_config=SimpleNamespace(prefill=SimpleNamespace(backend="disabled"),
+                                          decode=SimpleNamespace(backend="full"))))
     argv = with_defaults(["--model-path", "m"], on_cpu=False, forest=True)
     assert given(argv, "--disable-prefill-cuda-graph") and given(argv, "--disable-overlap-schedule")  # GPU defaults
     assert not given(with_defaults(["--model-path", "m"], on_cpu=False, forest=False), "--disable-prefill-cuda-graph")
@@ -252,6 +264,9 @@ MIRROR = TokenDanceArgs(storage="mirror")
      "only the tokendance attention backend"),
     (MIRROR, {"attention_backend": "tokendance", "device": "cuda", "disable_cuda_graph": False},
      "--disable-cuda-graph", "without CUDA graphs"),
+    (MIRROR, {"attention_backend": "tokendance", "device": "cuda", "disable_cuda_graph": True,
+              "disable_overlap_schedule": True, "cuda_graph_backend_decode": "full"}, "--disable-cuda-graph",
+     "without CUDA graphs"),
     (MIRROR, {"attention_backend": "tokendance", "kv_events_config": '{"publisher": "zmq"}'}, "--kv-events-config",
      "cannot hash"),
     (TokenDanceArgs(storage="mirror", disable_tokendance=True), {"attention_backend": "tokendance"},

@@ -302,9 +302,26 @@ def check_server_args(args: TokenDanceArgs, server_args: Any) -> None:
         raise TokenDanceArgsError("--disable-overlap-schedule", "the overlap scheduler copies and re-points segment "
                                   "KV on its own stream while the previous batch's forward may still write it"
                                   f"{hint}")
-    if str(get("device") or "cuda") != "cpu" and not (get("disable_cuda_graph") or get("disable_prefill_cuda_graph")):
+    if str(get("device") or "cuda") != "cpu" and _graphs_on(get, "prefill"):
         raise TokenDanceArgsError("--disable-prefill-cuda-graph", "prefill CUDA graphs would replay SGLang's own "
-                                                                  f"forward instead of the blended prefill{hint}")
+                                  "forward instead of the blended prefill (--cuda-graph-backend-prefill and "
+                                  f"--cuda-graph-config must leave them disabled too){hint}")
+
+
+def _graphs_on(get: Callable[..., Any], phase: str) -> bool:
+    """Whether SGLang captures CUDA graphs for `phase` ("prefill", "decode"), with SGLang
+    0.5.23's precedence: its resolved config, else --cuda-graph-config, then
+    --cuda-graph-backend-<phase>, then the disable flags."""
+    config = get("cuda_graph_config")
+    if hasattr(config, phase):  # resolved by SGLang: every flag applied
+        return getattr(config, phase).backend != "disabled"
+    explicit = config.get(phase) if isinstance(config, dict) else None
+    if isinstance(explicit, dict) and "backend" in explicit:
+        return explicit["backend"] != "disabled"
+    backend = get(f"cuda_graph_backend_{phase}")
+    if backend is not None:
+        return backend != "disabled"
+    return not (get("disable_cuda_graph") or get(f"disable_{phase}_cuda_graph"))
 
 
 ATTENTION_BACKEND_FIELDS = ("attention_backend", "prefill_attention_backend", "decode_attention_backend")
@@ -335,9 +352,10 @@ def _check_storage(args: TokenDanceArgs, get: Callable[..., Any]) -> None:
         if value != ATTENTION_BACKEND:
             raise TokenDanceArgsError(flag(name), f"mirror storage reads Masters' slots in place at a shift, which "
                                                   f"only the {ATTENTION_BACKEND} attention backend does; got {value}")
-    if str(get("device") or "cuda") != "cpu" and not get("disable_cuda_graph"):
+    if str(get("device") or "cuda") != "cpu" and (_graphs_on(get, "decode") or _graphs_on(get, "prefill")):
         raise TokenDanceArgsError("--disable-cuda-graph", f"the {ATTENTION_BACKEND} attention backend (mirror "
-                                                          "storage) runs without CUDA graphs")
+                                  "storage) runs without CUDA graphs (--cuda-graph-backend-* and "
+                                  "--cuda-graph-config must leave them disabled too)")
     if get("kv_events_config"):
         raise TokenDanceArgsError("--kv-events-config", "mirror storage keeps an agent's row in SGLang's tree under "
                                   "a namespace no client can send, which SGLang's KV events cannot hash; use "
