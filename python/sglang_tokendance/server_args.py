@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable

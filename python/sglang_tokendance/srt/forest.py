@@ -395,9 +395,9 @@ class SegmentForest(KeptMirrors):
         SGLang's forward runs). A batch the blended prefill cannot serve (`blendable` False)
         runs SGLang's forward too: every reused position gets its own slot back, its tokens
         count as recomputed, and the forward's attention backend (`attention`) builds its
-        metadata again on the rows as they are now. A plan whose chunk is not the batch's (never expected: the
-        batch was planned as SGLang allocated it) is refused: no forward could give the reused
-        positions outside the batch's chunk their KV."""
+        metadata again on the rows as they are now. A plan whose chunk is not the batch's
+        (never expected: the batch was planned as SGLang allocated it) is refused: no forward
+        could give the reused positions outside the batch's chunk their KV."""
         if not self.planned:  # the common case: nothing restored for this batch
             return None
         plans, at, in_full = [], 0, []
