@@ -169,3 +169,25 @@ def test_sigterm_during_a_round_drains_it_and_ends_every_process(tiny_llama):
         assert group_processes(server.proc.pid) == [], "scheduler or detokenizer left behind"
     finally:
         server.stop()
+
+
+def test_a_server_whose_chosen_port_another_process_bound_starts_on_another(tiny_llama, monkeypatch):
+    """free_port() only finds a port free: something may bind it before the server does (SGLang
+    then stays up without serving). The server starts again on another port, at once, not
+    after the readiness timeout."""
+    import socket
+
+    from sglang_tokendance.bench import server_process
+
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen()
+    taken = squatter.getsockname()[1]
+    ports, free_port = iter([taken]), server_process.free_port
+    monkeypatch.setattr(server_process, "free_port", lambda: next(ports, None) or free_port())
+    try:
+        with ServerProcess(["--model-path", tiny_llama]) as server:
+            assert server.port != taken and requests.get(server.url + "/health", timeout=30).status_code == 200
+    finally:
+        squatter.close()
+

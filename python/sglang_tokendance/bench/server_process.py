@@ -69,6 +69,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+PORT_ATTEMPTS = 3  # ports a server we place tries: another process may bind the one free_port() chose first
+
+
+class PortTaken(RuntimeError):
+    """The child could not bind its port: something bound it after `free_port()` chose it."""
+
+
 def flush_cache(url: str) -> None:
     """Empty the server's caches once its last request has ended (SGLang's /flush_cache refuses
     while requests run; its `timeout` waits for them)."""
@@ -92,11 +99,16 @@ class ChildService(ABC):
         return self.log_path.read_text(errors="replace")[-chars:]
 
     def wait_ready(self, timeout: float = 600.0):
-        """Block until `ready()`, or raise with the end of the child's log."""
+        """Block until `ready()`, or raise with the end of the child's log (`PortTaken` at once
+        when it could not bind its port: SGLang's server then stays up without serving)."""
         deadline = time.monotonic() + timeout
+        taken = f"', {self.url.rsplit(':', 1)[1]}): address already in use"
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.kind} exited with {self.proc.returncode}:\n{self.log_tail()}")
+            if taken in self.log_tail():
+                self.stop()
+                raise PortTaken(f"{self.kind} could not bind {self.url}:\n{self.log_tail()}")
             try:
                 if self.ready():
                     return self
@@ -129,27 +141,41 @@ class ServerProcess(ChildService):
 
     def __init__(self, argv: list[str], *, stock: bool = False, port: int | None = None,
                  env: dict[str, str] | None = None, log_path: str | Path | None = None):
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.placed = port is None  # we chose the port: another may be tried (`wait_ready`)
         on_cpu = cpu.prepare_process()  # puts the CPU route into os.environ, inherited below
-        child_env = {**os.environ, **(env or {})}
+        self._env, self._may_fork = {**os.environ, **(env or {})}, may_fork(env or {})
         if stock:
-            child_env.pop(ENV_VAR, None)
-            module = "sglang.launch_server"
-            argv = with_defaults(argv, on_cpu)
+            self._env.pop(ENV_VAR, None)
+            self._module, self._argv = "sglang.launch_server", with_defaults(argv, on_cpu)
         else:
-            module = "sglang_tokendance.launch_server"
-        if log_path is None:
+            self._module, self._argv = "sglang_tokendance.launch_server", argv
+        self._log_path = log_path
+        self._start(port or free_port())
+
+    def _start(self, port: int) -> None:
+        self.port, self.url = port, f"http://127.0.0.1:{port}"
+        if self._log_path is None:
             self._log = tempfile.NamedTemporaryFile(prefix="tokendance-server-", suffix=".log", delete=False)
         else:
-            self._log = open(log_path, "wb")
+            self._log = open(self._log_path, "wb")
         self.log_path = Path(self._log.name)
-        argv = [*argv, "--host", "127.0.0.1", "--port", str(self.port)]
+        argv = [*self._argv, "--host", "127.0.0.1", "--port", str(port)]
         if _preloading:
-            self.proc = preloaded_launcher().start(module, argv, child_env, self.log_path, may_fork(env or {}))
+            self.proc = preloaded_launcher().start(self._module, argv, self._env, self.log_path, self._may_fork)
         else:
-            self.proc = subprocess.Popen([sys.executable, "-m", module, *argv], env=child_env, stdout=self._log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen([sys.executable, "-m", self._module, *argv], env=self._env,
+                                         stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, timeout: float = 600.0):
+        """As a child service; a server on a port we chose that another process bound first
+        starts again on another port (up to PORT_ATTEMPTS ports)."""
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            try:
+                return super().wait_ready(timeout)
+            except PortTaken:
+                if not self.placed or attempt == PORT_ATTEMPTS:
+                    raise
+                self._start(free_port())
 
     def ready(self) -> bool:
         return requests.get(self.url + "/health", timeout=5).status_code == 200
