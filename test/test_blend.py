@@ -13,8 +13,8 @@ from sglang_tokendance.bench.hf_layerwise import HFLayerwise, full_prefill
 from sglang_tokendance.core.dense_kv import DenseKV
 from sglang_tokendance.core.blend import BlendOptions, RequestRow, blended_prefill, finish, probe, select
 from sglang_tokendance.core.rope import RopeSpec, rotate, unrotate
-from sglang_tokendance.core.selection import (RULES, ReusedSegment, fixed_scores, kept_share, most_kept, rule_named,
-                                              select_kept)
+from sglang_tokendance.core.selection import (RULES, ReusedSegment, credited_allowance, fixed_scores, kept_share,
+                                              most_kept, rule_named, select_kept)
 from sglang_tokendance.bench.tiny_models import TINY_ARCHITECTURES, tiny_layerwise
 
 SEG = (12, 30)  # the reused segment's place in the target prompt
@@ -227,6 +227,23 @@ def test_kept_share_leaves_at_most_the_budget_approximate(ratio, reused, bound):
         assert reused - round(share * reused) <= bound  # the tokens select_kept leaves approximate
     if share > ratio:  # raised no further than the budget needs
         assert reused - round(share * reused) == bound
+
+
+@given(ratio=st.sampled_from([0.0, 0.1, 0.15, 0.3, 0.7, 1.0]), reused=st.integers(1, 3000),
+       credit=st.integers(0, 3000), bound=st.one_of(st.none(), st.integers(0, 3000)))
+def test_credited_blocks_stay_in_the_recompute_budget(ratio, reused, credit, bound):
+    """Block tokens a request holds exactly that it would otherwise reuse (exact recurrence)
+    count in the pool its share is taken of: it recomputes ratio x (reused + credit) of its
+    reused tokens (all at most), never fewer than the ratio alone or its own budget asks."""
+    allowance = credited_allowance(ratio, reused, credit, bound)
+    kept = round(kept_share(ratio, reused, allowance) * reused)
+    alone = round(kept_share(ratio, reused, bound) * reused)
+    assert kept >= alone
+    if bound is None or reused - min(reused, round(ratio * (reused + credit))) <= bound:
+        assert kept == min(reused, max(alone, round(ratio * (reused + credit))))
+    else:  # the request's own budget asks for more
+        assert kept == alone
+    assert credited_allowance(ratio, reused, 0, bound) == bound  # no credit: nothing changes
 
 
 @given(data=st.data(), share=st.one_of(st.floats(0.0, 1.0), st.sampled_from([0.1, 0.15, 0.3, 0.7])),

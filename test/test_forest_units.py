@@ -194,6 +194,36 @@ def test_blocks_recurring_at_the_exact_frontier_are_computed_and_counted():
     assert [(r.start, r.end) for r in everywhere.plan_chunk(table, 10, 60).runs] == [(10, 30), (35, 55)]
 
 
+def test_blocks_recurrence_makes_exact_stay_in_the_budget_of_the_blocks_still_reused():
+    """Before, a block computed exactly left the pool of the request's recompute share: the
+    blocks it still reused kept fewer recomputed tokens than with exact recurrence off."""
+    from sglang_tokendance.core.blend import BlendOptions
+    from sglang_tokendance.core.recurrence import Sightings
+    from sglang_tokendance.core.selection import kept_share
+    from sglang_tokendance.srt.reuse import RequestReuse, namespace_of
+
+    spans = [SegmentSpan(10, 50, "brief"), SegmentSpan(55, 95, "msg"), SegmentSpan(100, 120, "msg2")]
+    table, sightings, blend = SegmentTable(), Sightings(), BlendOptions(recompute_ratio=0.3)
+    first = fake_req(spans, prompt_len=130)
+    for span in spans:
+        table.insert((namespace_of(first), span.hash), torch.arange(span.start, span.end),
+                     list(range(span.start, span.end)))
+    sightings.record_prompt(namespace_of(first), first.origin_input_ids, spans[:1])  # the briefing read there
+    again = fake_req(spans, prompt_len=130, prefix_len=10)
+    state = RequestReuse.of(again, options_of(again), can_reuse=True, sightings=sightings, blend=blend)
+    plan = state.plan_chunk(table, 10, 100)
+    assert [(r.start, r.end) for r in plan.runs] == [(55, 95)] and state.counts.exact_recurring_tokens == 40
+    kept = round(kept_share(0.3, 40, plan.request_row(torch.arange(100)).max_approximate) * 40)
+    assert kept == round(0.3 * (40 + 40)) == 24  # the briefing's 40 tokens stay in the pool (alone: 12)
+    later = state.plan_chunk(table, 100, 130)  # credited once: the next chunk has the share alone
+    assert later.reused_tokens == 20 and later.request_row(torch.arange(130)).max_approximate is None
+    gone = RequestReuse.of(again, options_of(again), can_reuse=True, sightings=sightings, blend=blend)
+    table.remove(table.entries[(namespace_of(first), "brief")])  # no Master: it would be computed anyway
+    assert gone.plan_chunk(table, 10, 130).max_approximate is None
+    off = RequestReuse.of(again, options_of(again), can_reuse=True, blend=blend)  # recurrence off: all reused
+    assert off.plan_chunk(table, 10, 130).max_approximate is None
+
+
 def test_a_corrupted_entry_is_refused_and_the_span_computed():
     from sglang_tokendance.srt.reuse import RequestReuse
 

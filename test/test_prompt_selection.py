@@ -77,7 +77,7 @@ class Setup:
         frames.record(self.row, torch.arange(PROMPT_LEN))
         self.table, self.req = SegmentTable(), fake_req(self.ids.tolist())
         self.state = RequestReuse.of(self.req, RequestOptions.carried_by(self.req.sampling_params.custom_params),
-                                     can_reuse=True)
+                                     can_reuse=True, blend=OPTIONS)
         source = torch.cat([self.ids[s.start:s.end] for s in SPANS[::-1]] + [torch.randint(3, 512, (5,))])
         _, author = full_prefill(model, torch.cat([torch.randint(3, 512, (AUTHOR_SHIFT,)), source]))
         at, slot = AUTHOR_SHIFT, 1

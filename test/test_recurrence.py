@@ -27,29 +27,46 @@ def test_prefix_digests_are_the_digests_of_each_prefix(ids, cuts):
 
 
 def test_nothing_sighted_reuses_every_block():
-    assert Sightings().exact_until(NS, IDS, [A, B], prefix_len=10) == 10
+    assert Sightings().recurrence(NS, IDS, [A, B], prefix_len=10).exact_until == 10
 
 
 def test_blocks_sighted_at_the_frontier_are_computed_up_to_the_first_new_one():
     sightings = Sightings()
     sightings.record_prompt(NS, IDS, [A])
-    assert sightings.exact_until(NS, IDS, [A, B], prefix_len=10) == A.end  # B was never seen there
+    assert sightings.recurrence(NS, IDS, [A, B], prefix_len=10).exact_until == A.end  # B was never seen there
     sightings.record_prompt(NS, IDS, [B])
-    assert sightings.exact_until(NS, IDS, [A, B], prefix_len=10) == B.end
-    assert sightings.exact_until(NS, IDS, [A, B], prefix_len=40) == B.end  # the tree already holds A
+    assert sightings.recurrence(NS, IDS, [A, B], prefix_len=10).exact_until == B.end
+    assert sightings.recurrence(NS, IDS, [A, B], prefix_len=40).exact_until == B.end  # the tree already holds A
     only_b = Sightings()
     only_b.record_prompt(NS, IDS, [B])
-    assert only_b.exact_until(NS, IDS, [A, B], prefix_len=10) == 10  # A comes first: B follows approximate KV
+    only_b_at_10 = only_b.recurrence(NS, IDS, [A, B], prefix_len=10)
+    assert only_b_at_10 == (10, ())  # A comes first: B follows approximate KV, and is reused
+
+
+def test_the_blocks_held_exactly_that_were_read_approximately_there_before_are_seen():
+    """`seen`: what the request holds exactly (its radix match, or computed by recurrence) that
+    would otherwise be reused again -- the credit of its recompute budget."""
+    sightings = Sightings()
+    assert sightings.recurrence(NS, IDS, [A, B], prefix_len=10).seen == ()
+    sightings.record_prompt(NS, IDS, [A])
+    assert sightings.recurrence(NS, IDS, [A, B], prefix_len=10).seen == (A,)  # computed; B reused
+    assert sightings.recurrence(NS, IDS, [A, B], prefix_len=30).seen == (A,)  # in the tree's prefix now
+    unseen = SegmentSpan(33, 53, "c")  # in the prefix but never read approximately: always exact
+    assert sightings.recurrence(NS, IDS, [A, unseen], prefix_len=53).seen == (A,)
+    sightings.record_output(NS, IDS[:30], "answer")  # a generated block is exact where it was made
+    continued = IDS[:30] + list(range(20))
+    answer = SegmentSpan(30, 50, "answer")
+    assert sightings.recurrence(NS, continued, [A, answer], prefix_len=10) == (len(continued), (A,))
 
 
 def test_a_block_after_other_tokens_or_in_another_namespace_is_not_a_recurrence():
     sightings = Sightings()
     sightings.record_prompt(NS, IDS, [A])
     other_notes = [7] + IDS[1:]
-    assert sightings.exact_until(NS, other_notes, [A], prefix_len=0) == 0
-    assert sightings.exact_until(("other", None), IDS, [A], prefix_len=10) == 10
+    assert sightings.recurrence(NS, other_notes, [A], prefix_len=0).exact_until == 0
+    assert sightings.recurrence(("other", None), IDS, [A], prefix_len=10).exact_until == 10
     moved = SegmentSpan(11, 31, "a")  # the same block one token later
-    assert sightings.exact_until(NS, [0] + IDS, [moved], prefix_len=11) == 11
+    assert sightings.recurrence(NS, [0] + IDS, [moved], prefix_len=11).exact_until == 11
 
 
 def test_a_prompt_continuing_a_generated_answer_is_computed_throughout():
@@ -59,9 +76,10 @@ def test_a_prompt_continuing_a_generated_answer_is_computed_throughout():
     sightings.record_output(NS, prompt, "answer")
     answer = SegmentSpan(30, 50, "answer")
     later = prompt + list(range(20)) + IDS[30:]
-    assert sightings.exact_until(NS, later, [A, answer, SegmentSpan(53, 73, "b")], prefix_len=10) == len(later)
+    spans = [A, answer, SegmentSpan(53, 73, "b")]
+    assert sightings.recurrence(NS, later, spans, prefix_len=10).exact_until == len(later)
     # the next round: the answer is in the tree's prefix now, the conversation goes on exactly
-    assert sightings.exact_until(NS, later, [A, answer, SegmentSpan(53, 73, "b")], prefix_len=53) == len(later)
+    assert sightings.recurrence(NS, later, spans, prefix_len=53).exact_until == len(later)
     sightings.record_prompt(NS, prompt, [SegmentSpan(30, 50, "answer")])  # a prompt read it there too
     assert sightings.get((NS, prefix_digests(prompt, [30])[0], "answer")) is Sighting.OUTPUT
 
@@ -69,10 +87,10 @@ def test_a_prompt_continuing_a_generated_answer_is_computed_throughout():
 def test_least_recently_seen_sightings_are_forgotten_first():
     sightings = Sightings(capacity=2)
     sightings.record_prompt(NS, IDS, [A, B])
-    sightings.exact_until(NS, IDS, [A], prefix_len=10)  # A seen again: B is now the oldest
+    sightings.recurrence(NS, IDS, [A], prefix_len=10)  # A seen again: B is now the oldest
     sightings.record_output(NS, IDS, "c")
     assert len(sightings) == 2
-    assert sightings.exact_until(NS, IDS, [A, B], prefix_len=10) == A.end
+    assert sightings.recurrence(NS, IDS, [A, B], prefix_len=10).exact_until == A.end
     sightings.clear()
     assert len(sightings) == 0
     with pytest.raises(ValueError, match="capacity"):

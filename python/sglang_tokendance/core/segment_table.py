@@ -83,6 +83,11 @@ class SegmentTable:
         self.duplicates += 1
         self.entries[key].last_access_time = time.monotonic()
 
+    def holding(self, key: Hashable, ids: Sequence[int]) -> bool:
+        """Whether an entry for `key` holds `ids`: a look, nothing counted or touched."""
+        entry = self.entries.get(key)
+        return entry is not None and entry.holds(ids)
+
     def lookup(self, key: Hashable, ids: Sequence[int]) -> SegmentEntry | None:
         """The entry for `key` if it holds `ids`; a mismatching entry is refused (counted)."""
         entry = self.entries.get(key)

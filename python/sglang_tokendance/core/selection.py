@@ -132,6 +132,18 @@ def kept_share(ratio: float, reused: int, max_approximate: int | None) -> float:
     return max(ratio, 1.0 - max_approximate / reused)
 
 
+def credited_allowance(ratio: float, reused: int, credit: int, max_approximate: int | None) -> int | None:
+    """The fidelity budget (reused tokens that may keep their cached KV) under which a request
+    recomputes round(ratio x (reused + credit)) of its `reused` tokens (all of them at most):
+    `credit` counts block tokens it holds exactly that would otherwise be reused too
+    (core/recurrence `Recurrence.seen`), so they stay in the pool its share is taken of;
+    `max_approximate` its own budget, which wins where it is lower (None: no bound)."""
+    if credit <= 0 or ratio <= 0 or reused <= 0:
+        return max_approximate
+    credited = reused - min(reused, round(ratio * (reused + credit)))
+    return credited if max_approximate is None else min(credited, max_approximate)
+
+
 def most_kept(segments: Sequence[ReusedSegment], share: float, *, granularity: str = "token",
               block_size: int = 16, head_tokens: int = 0) -> int:
     """The most tokens `select_kept` can keep of one request whose runs `segments` form its own

@@ -388,7 +388,7 @@ class SegmentForest(KeptMirrors):
             return None
         return RequestReuse.of(req, self.options(req), can_reuse=self.reuse and may_reuse(req),
                                agent_prefix=req.prefix_len if is_kept(req.last_node) else 0,
-                               sightings=self.sightings, leads=self.reuse and self.leads(req))
+                               sightings=self.sightings, leads=self.reuse and self.leads(req), blend=self.blend)
 
     def take_plans(self, forward_batch, blendable: bool, attention) -> list[ChunkPlan | None] | None:
         """The plans of an extend batch, in batch order, or None when no request reuses (then

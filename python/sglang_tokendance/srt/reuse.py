@@ -27,8 +27,9 @@ from sglang_tokendance.core.blend import BlendOptions, ProbeStates, RequestRow, 
 from sglang_tokendance.core.cost import PrefillCost
 from sglang_tokendance.core.segment_table import SegmentEntry, SegmentTable
 from sglang_tokendance.core.segments import SegmentSpan
+from sglang_tokendance.core.selection import credited_allowance
 from sglang_tokendance.core.plan import ChunkRuns, PlannedRun, PromptSelection, plan_chunk
-from sglang_tokendance.core.recurrence import Sightings
+from sglang_tokendance.core.recurrence import Recurrence, Sightings
 from sglang_tokendance.srt.prompt_interface import REUSE_INFO_KEY
 from sglang_tokendance.srt.request import RequestOptions
 
@@ -156,6 +157,8 @@ class RequestReuse:
     read_slots: dict[int, torch.Tensor] = field(default_factory=dict)  # chunk start -> Master slots its row reads
     selection: PromptSelection | None = None  # the whole prompt's recomputed tokens (planned selection)
     admitted: ChunkPlan | None = None  # its chunk's plan, made at admission, for the batch being built (mirror)
+    blend: BlendOptions = BlendOptions()  # the server's blended prefill (its share, whether a chunk chooses ahead)
+    credited: tuple[SegmentSpan, ...] = ()  # blocks held exactly that it would otherwise reuse: in its budget
     _looked_up: set[int] = field(default_factory=set)  # spans counted as a hit or a miss
 
     @property
@@ -165,27 +168,30 @@ class RequestReuse:
 
     @classmethod
     def of(cls, req, options: RequestOptions, can_reuse: bool, agent_prefix: int = 0,
-           sightings: Sightings | None = None, leads: bool = False) -> "RequestReuse | None":
+           sightings: Sightings | None = None, leads: bool = False,
+           blend: BlendOptions = BlendOptions()) -> "RequestReuse | None":
         """The state of a request that carries segments, asks for output registration or
         names its agent (`options`, parsed once). `agent_prefix`: its matched prefix is its
         agent's kept Mirror, whose KV is approximate past its first reused token, so nothing of
         this row enters the shared tree or becomes a segment (its exact part is there already).
         `sightings`: the blocks seen before, each one that recurs at the request's exact
-        frontier is computed exactly (core/recurrence.py; None: every block may be reused).
+        frontier is computed exactly (core/recurrence.py; None: every block may be reused), and
+        the blocks it holds exactly that were read approximately there before are credited to
+        its recompute budget (`blend`'s share of them is recomputed in the blocks it reuses).
         `leads`: the request leads its round (srt/policy): it reads no Master, and its blocks'
         exact KV, computed in round context, replaces their Masters for the others to read."""
         if not options.concerns_tokendance:
             return None
         state = cls(req, namespace_of(req), options, can_reuse and bool(options.spans),
-                    reusable=list(options.spans), uninserted=list(options.spans))
+                    reusable=list(options.spans), uninserted=list(options.spans), blend=blend)
         if agent_prefix:
             state.first_reused = 0
             state.counts.agent_prefix_tokens = agent_prefix
         elif leads and state.can_reuse:
             state.reusable, state.leads = [], True
         elif sightings is not None and state.can_reuse:
-            state.compute_recurring(sightings.exact_until(state.namespace, req.origin_input_ids, options.spans,
-                                                          req.prefix_len), req.prefix_len)
+            state.compute_recurring(sightings.recurrence(state.namespace, req.origin_input_ids, options.spans,
+                                                         req.prefix_len), req.prefix_len)
         return state
 
     def take_admitted(self) -> ChunkPlan | None:
@@ -193,8 +199,10 @@ class RequestReuse:
         plan, self.admitted = self.admitted, None
         return plan
 
-    def compute_recurring(self, exact_until: int, prefix_len: int) -> None:
-        """The spans that end by `exact_until` are computed, not reused, so the tree gets them exact."""
+    def compute_recurring(self, recurrence: Recurrence, prefix_len: int) -> None:
+        """The spans that end by its `exact_until` are computed, not reused, so the tree gets
+        them exact; those `seen` approximate there before are credited to the recompute budget."""
+        exact_until, self.credited = recurrence.exact_until, recurrence.seen
         self.reusable = [span for span in self.options.spans if span.end > exact_until]
         self.counts.exact_recurring_tokens = sum(max(0, min(span.end, exact_until) - max(span.start, prefix_len))
                                                  for span in self.options.spans)
@@ -224,6 +232,7 @@ class RequestReuse:
         reused = plan.reused_tokens
         if plan.runs:
             self.first_reused = min(self.first_reused, plan.runs[0].start)
+            self.credited = ()  # credited once, to the chunk that chose with it
         self.counts.reused_tokens += reused
         self.counts.computed_tokens += plan.extend_len - reused
         self.counts.segment_hits += plan.hits
@@ -247,16 +256,24 @@ class RequestReuse:
         if self.selection is not None:
             runs.runs, cost = [run for run in runs.runs if self.selection.covers(run)], None
         fell_back, prompt_len = 0, len(self.req.origin_input_ids)
-        if runs.runs and cost is not None:
+        if runs.runs and self.selection is None:
             end, reused = extend_end, runs.reused_tokens
-            if plan_ahead and extend_end < prompt_len and cost.options.chooses_per_request(allowance):
+            if plan_ahead and extend_end < prompt_len and self.blend.chooses_per_request(allowance):
                 end, reused = prompt_len, reused + self.runs_in(table, extend_end, prompt_len).reused_tokens
-            if not cost.pays(prefix_len, end - prefix_len, reused, allowance):
+            allowance = credited_allowance(self.blend.recompute_ratio, reused, self.credit(table), allowance)
+            if cost is not None and not cost.pays(prefix_len, end - prefix_len, reused, allowance):
                 fell_back, runs.runs = runs.reused_tokens, []
         plan = ChunkPlan(self, prefix_len, extend_end - prefix_len, runs.runs, group=group, fell_back=fell_back,
                          max_approximate=allowance,
                          hits=len(set(runs.found) - self._looked_up), misses=len(set(runs.missed) - self._looked_up))
         return plan, runs.found + runs.missed
+
+    def credit(self, table: SegmentTable) -> int:
+        """Tokens of the blocks it holds exactly that it would otherwise reuse (`credited`: those
+        whose Master is cached), for its first chunk that reads to count in its budget."""
+        ids = self.req.origin_input_ids
+        return sum(span.end - span.start for span in self.credited
+                   if table.holding(self.key(span.hash), ids[span.start:span.end]))
 
     def allowance(self, max_approximate: int | None) -> int | None:
         """What is left of the fidelity budget (`max_approximate`, the server's; the request's
