@@ -5,10 +5,11 @@ rounds sent): once as the only member of its round, once beside others that read
 Masters in the same batch, where the batch is long enough to be cut into chunks (planned
 selection) while the request alone is not. Its top logprobs must agree within fp tolerance.
 
-Paths: dense storage without a leader (the default: every member reads the cached Masters),
-mirror storage with its round leader (followers read the leader's Masters in place); each with
-a first round (blocks read approximately) and a second (the briefing recurs at the exact
-frontier: computed exactly, credited to the budget of the messages still reused)."""
+Paths: dense storage without a leader (every member reads the cached Masters), mirror storage
+(the CPU's default) with its round leader (followers read the leader's Masters in place); each
+with a first round (blocks read approximately) and a second: under dense storage the briefing
+recurs at the exact frontier (computed exactly), under mirror storage the member continues its
+kept row of the first round; either way credited to the budget of the messages still reused."""
 
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def server(request, tiny_llama):
     if request.param == "mirror":
         flags += ["--tokendance-storage", "mirror"]
     else:
-        flags += ["--no-tokendance-round-leader"]
+        flags += ["--tokendance-storage", "dense", "--no-tokendance-round-leader"]
     with ServerProcess(flags) as proc:
         yield proc.url, request.param == "mirror"
 
@@ -98,7 +99,9 @@ def test_a_members_logits_do_not_depend_on_its_batch_mates(server, round_index):
     a, b = alone[agent], together[agent]
     info_a, info_b = a["meta_info"]["tokendance"], b["meta_info"]["tokendance"]
     assert info_a["reused_tokens"] > 0 and info_b["reused_tokens"] > 0, (info_a, info_b)
-    if round_index:  # the briefing recurs after the same notes: computed exactly in both
+    if round_index and led:  # the notes and briefing read from the member's kept row of round 0
+        assert info_a["agent_prefix_tokens"] == info_b["agent_prefix_tokens"] > 0
+    elif round_index:  # the briefing recurs after the same notes: computed exactly
         assert info_a["exact_recurring_tokens"] == info_b["exact_recurring_tokens"] > 0
     assert a["output_ids"] == b["output_ids"]
     for step_a, step_b in zip(tops(a), tops(b)):

@@ -43,11 +43,12 @@ def post(url: str, text: str, salt: str | None = None, max_new_tokens: int = 8, 
 
 @pytest.fixture(scope="module")
 def default_server(tiny_llama):
-    # the reader is sent again on purpose, to reuse again (not to be computed as a recurrence); a
+    # the reader is sent again on purpose, to reuse again (not to be computed as a recurrence, nor
+    # read from its kept row: --no-tokendance-keep-rows under the CPU's mirror storage); a
     # probe of 3 of the tiny model's layers, where the default's (all but 2 of them) run twice by
     # planned selection would cost more than SGLang's forward (core/cost plan_pays)
     with ServerProcess(["--model-path", tiny_llama, *CHUNK, "--enable-metrics", "--no-tokendance-exact-recurrence",
-                        "--tokendance-check-layer", "2"]) as proc:
+                        "--no-tokendance-keep-rows", "--tokendance-check-layer", "2"]) as proc:
         yield proc.url
 
 

@@ -50,7 +50,7 @@ def stock_prefix_results(stock_server_url):
 @pytest.fixture(scope="module")
 def server(smollm2_path):
     """Plain reuse (recompute ratio 0): the forest's own path; test_blend_server covers r > 0."""
-    with ServerProcess(["--tokendance-recompute-ratio", "0"]) as proc:
+    with ServerProcess(["--tokendance-recompute-ratio", "0", "--tokendance-storage", "dense"]) as proc:
         yield proc.url
 
 
@@ -107,7 +107,7 @@ def test_small_kv_budget_evicts_and_every_request_finishes(small_pool_server_url
         assert all(len(o["output_ids"]) >= 1 for o in outs)
     stats = forest_stats(small)
     assert stats["segments_evicted"] > evicted_before
-    assert stats["segment_tokens"] + stats["tree_evictable_tokens"] <= SMALL_POOL
+    assert stats["segment_only_tokens"] + stats["tree_tokens"] <= SMALL_POOL  # each slot once
 
 
 def test_segment_copy_stores_unrotated_k_and_same_v():

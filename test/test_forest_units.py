@@ -692,6 +692,45 @@ def test_a_kept_row_is_matched_by_its_agent_alone_and_counted_once_per_slot():
     assert allocator.available_size() == 64 and not allocator.refs.tree.any() and not allocator.refs.refs.any()
 
 
+def test_an_unnamed_row_is_kept_for_any_request_with_segments_that_repeats_it():
+    """Without agent names (the default client), a finished row holding approximate KV is
+    kept under the unnamed namespace: a request with segments that repeats its tokens takes it
+    (it then reads what the row read, instead of computing its blocks again); a request
+    without segments never reads approximate KV (it is served as stock SGLang would), nor does
+    an agent's (its own namespace), nor any under --no-tokendance-keep-rows."""
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    forest = mirror_forest()
+    allocator, table = forest.token_to_kv_pool_allocator, forest.req_to_token_pool.req_to_token
+    tokens = list(range(500, 520))
+
+    def matched(spans: list[SegmentSpan], agent: str | None = None, **options) -> int:
+        asking = reading_req(forest, 3, spans, 0)
+        if agent is not None or options:
+            extra = {"agent": agent} if agent is not None else {}
+            asking.sampling_params.custom_params = fake_req(spans, 0, **extra, **options).sampling_params.custom_params
+        return forest.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens + [1])), req=asking)
+                                   ).device_prefix_len
+
+    row = allocated_req(forest, 1, [], 20)
+    row.__dict__.update(full_untruncated_fill_ids=array("q", tokens), priority=None)
+    assert forest.keeps(options_of(row))
+    forest.keep_for_agent(row, None, 20)
+    release(forest, row, 20)
+    block = [SegmentSpan(8, 18, "b")]
+    assert (matched(block), matched([]), matched(block, agent="a")) == (20, 0, 0)
+    frames = allocator.frames
+    frames.record(table[1, :20].to(torch.int64), torch.arange(20))  # written where it stands: exact KV
+    frames.record(table[1, 8:18].to(torch.int64), torch.arange(30, 40))  # a Master read at a shift: approximate
+    assert forest.approximate_positions(forest.match_prefix(MatchPrefixParams(
+        key=RadixKey(array("q", tokens)), req=reading_req(forest, 3, block, 0))).last_device_node) == 10
+    assert (matched(block, max_approximate_tokens=10), matched(block, max_approximate_tokens=9)) == (20, 0)
+    assert forest.stats()["agent_rows_kept"] == 1 and 64 - allocator.available_size() == 20
+    forest.keeps_unnamed = False  # --no-tokendance-keep-rows
+    assert not forest.keeps(options_of(row)) and matched(block) == 0
+
+
 def dense_forest(size: int = 16):
     """A forest under dense storage over SGLang's own page-size-1 allocator and a tiny KV pool."""
     from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator

@@ -264,10 +264,10 @@ def test_flush_waits_for_live_mirrors_then_frees_every_slot(server):
 def retracting_server(tiny_llama):
     """Mirror storage at the default recompute ratio (rows read Masters in place) under SGLang's
     retraction test switch; the pool holds every block, so a re-run reads the same Masters (and a
-    prompt sent again reads them again: no recurrence computed exactly)."""
+    prompt sent again reads them again: no recurrence computed exactly, no unnamed row kept)."""
     with ServerProcess(["--model-path", tiny_llama, "--max-total-tokens", "8192", "--context-length", "1024",
                         "--tokendance-storage", "mirror", "--tokendance-check-layer", "2",
-                        "--no-tokendance-exact-recurrence"],
+                        "--no-tokendance-exact-recurrence", "--no-tokendance-keep-rows"],
                        env={**RETRACT_EVERY_30_STEPS, "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1"}) as proc:
         cache_every_block(proc.url)
         yield proc.url

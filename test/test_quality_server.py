@@ -121,8 +121,10 @@ def test_labels_flags_and_cases():
     assert "--tokendance-max-approximate-tokens" not in flags
     assert "--no-tokendance-planned-selection" in argv  # a chunked prompt selects per chunk, as in-process
     assert "--no-tokendance-planned-selection" not in server_argv(replace(DEFAULT, planned=True), CONFIG)
+    dense = server_argv(DEFAULT, CONFIG)  # named: the launcher's `auto` would be mirror storage on the CPU
+    assert dense[dense.index("--tokendance-storage") + 1] == "dense"
     budgeted = server_argv(replace(DEFAULT, budget=200), CONFIG)
-    assert budgeted[-2:] == ["--tokendance-max-approximate-tokens", "200"]
+    assert budgeted[-4:-2] == ["--tokendance-max-approximate-tokens", "200"]
     mirrored = server_argv(replace(DEFAULT, storage="mirror", diff_threshold=0.05), CONFIG)
     assert mirrored[-4:] == ["--tokendance-storage", "mirror", "--tokendance-diff-threshold", "0.05"]
     assert server_argv(None, CONFIG, Workload(4, round="all").server_flags)[2:] == ["--disable-tokendance"]

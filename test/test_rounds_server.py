@@ -31,7 +31,8 @@ BLOCK_B = "Ada: The council will vote on the new market hall tomorrow at noon in
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     path = write_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama")
-    with ServerProcess(["--model-path", str(path), "--tokendance-round-window-ms", str(WINDOW_MS),
+    with ServerProcess(["--model-path", str(path), "--tokendance-storage", "dense",  # `agent` a 400: below
+                        "--tokendance-round-window-ms", str(WINDOW_MS),
                         "--tokendance-round-min-shared", "2", "--tokendance-check-layer", "2",
                         "--tokendance-group-selection", "aligned", "--tokendance-group-probe", "1",
                         "--enable-metrics", "--no-tokendance-exact-recurrence",  # rounds sent again reuse

@@ -74,4 +74,6 @@ def test_frontend_program_through_runtime_endpoint(server):
 def test_server_info_reports_tokendance(server):
     info = requests.get(server + "/server_info", timeout=60).json()
     assert info["tokendance"]["disable_tokendance"] is False
-    assert info["device"] == "cpu" and info["attention_backend"] == "torch_native"
+    # auto storage on the CPU: mirror, through the tokendance backend (SGLang's torch_native for the other rows)
+    assert info["device"] == "cpu" and info["attention_backend"] == "tokendance"
+    assert info["tokendance"]["storage"] == "mirror"

@@ -249,10 +249,34 @@ def test_plain_float_kv_caches_and_gpu_without_prefill_graphs_pass():
 
 
 def test_storage_flag_parses_and_validates():
-    assert parse([]).storage == "dense" and not parse([]).mirror_storage
+    assert parse([]).storage == "auto" and not parse([]).mirror_storage  # resolved by the launcher
     assert parse(["--tokendance-storage", "mirror"]).mirror_storage
     with pytest.raises(TokenDanceArgsError, match="--tokendance-storage"):
         parse(["--tokendance-storage", "sparse"])
+
+
+@pytest.mark.parametrize("on_cpu,given,flags,storage", [
+    (True, {}, [], "mirror"),  # the CPU: the tokendance backend runs torch_native for the other rows
+    (False, {}, [], "dense"),  # a GPU: FlashInfer/Triton and CUDA graphs stay
+    (True, {"attention_backend": "torch_native"}, [], "dense"),  # another backend asked for
+    (True, {"attention_backend": "tokendance"}, [], "mirror"),
+    (True, {"decode_attention_backend": "triton"}, [], "dense"),
+    (True, {"kv_events_config": "{}"}, [], "dense"),  # SGLang's KV events cannot hash a kept row's namespace
+    (True, {}, ["--no-tokendance-sparse-writeback"], "dense"),
+    (True, {}, ["--disable-tokendance"], "dense"),
+    (True, {}, ["--tokendance-storage", "dense"], "dense"),  # a storage named is kept
+    (False, {}, ["--tokendance-storage", "mirror"], "mirror"),
+])
+def test_auto_storage_is_mirror_where_its_backend_runs_and_nothing_given_refuses_it(on_cpu, given, flags, storage):
+    assert parse(flags).with_storage_for(on_cpu, given.get).storage == storage
+
+
+def test_the_launcher_reads_what_auto_storage_depends_on_from_the_command_line():
+    from sglang_tokendance.launch_server import given_values
+
+    get = given_values(["--port", "30000", "--attention-backend", "tokendance", "--kv-events-config", "{}"])
+    assert (get("attention_backend"), get("kv_events_config"), get("decode_attention_backend")) == (
+        "tokendance", "{}", None)
 
 
 MIRROR = TokenDanceArgs(storage="mirror")
@@ -308,7 +332,7 @@ def test_refused_configuration_exits_before_sglang_starts():
 
 @pytest.mark.parametrize("argv,says", [
     (["--tokendance-storage", "mirror", "--attention-backend", "torch_native"], "only the tokendance attention"),
-    (["--attention-backend", "tokendance"], "it needs --tokendance-storage mirror"),  # a choice SGLang accepts
+    (["--tokendance-storage", "dense", "--attention-backend", "tokendance"], "it needs --tokendance-storage mirror"),
 ])
 def test_storage_and_attention_backend_disagreeing_exit_before_sglang_starts(argv, says):
     result = run_launcher(*argv)

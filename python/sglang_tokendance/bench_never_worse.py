@@ -6,7 +6,9 @@ server, both emptied first (`/flush_cache`), `--repeats` times with the order al
 times on two cores move by 10-30% from run to run), and sets them side by side over the rounds
 after the first: round prefill and round latency (radix's time over TokenDance's: >= 1 is never
 worse), and the prompt tokens served exactly from the radix tree (TokenDance's over radix's:
->= 1 is never less exact) next to the tokens TokenDance reused approximately. The next round's
+>= 1 is never less exact) next to the tokens TokenDance reused approximately and those it read
+from a kept row (mirror storage: the agent's own earlier request's KV, approximate where that
+request read Masters; never computed twice). The next round's
 blocks are this round's answers, so where TokenDance answers differently the two sides' later
 prompts differ a little (their prompt tokens are given). One pair of
 servers serves every shape but the chunked one, which has its own pair.
@@ -17,6 +19,13 @@ Shapes:
   conversation   each prompt extends the agent's previous prompt and answer (a growing transcript)
   unmarked       all-gather prompts sent without separators: nothing for TokenDance to reuse
   chunked        all-gather with both servers at --chunked-prefill-size 128
+  static-cached  static, with round 0's blocks cached before it (by another simulation or earlier
+                 requests): round 0 reads them approximately, so round 1 is the round after an
+                 approximate read
+  conversation-cached  conversation, likewise
+
+Besides the means over the rounds after the first, each round's ratio (round 0's included) and
+the cumulative one over every round.
 """
 
 from __future__ import annotations
@@ -42,10 +51,12 @@ class Shape:
     conversation: bool = False
     tokendance_mode: str = "tokendance"  # how prompts reach the TokenDance server (bench/multiagent MODES)
     chunked_prefill: int = 0  # both servers' --chunked-prefill-size (0: SGLang's default)
+    blocks_cached: bool = False  # round 0's blocks cached before it (another simulation, earlier requests)
 
     def config(self, args: argparse.Namespace) -> WorkloadConfig:
         return replace(PRESETS[self.preset], num_agents=args.num_agents, num_rounds=args.num_rounds,
-                       max_new_tokens=args.max_new_tokens, seed=args.seed, conversation=self.conversation)
+                       max_new_tokens=args.max_new_tokens, seed=args.seed, conversation=self.conversation,
+                       blocks_cached=self.blocks_cached)
 
 
 SHAPES: dict[str, Shape] = {s.name: s for s in (
@@ -54,6 +65,8 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (
     Shape("conversation", "generative_agents", conversation=True),
     Shape("unmarked", "generative_agents", tokendance_mode="tokendance-unmarked"),
     Shape("chunked", "generative_agents", chunked_prefill=128),
+    Shape("static-cached", "debate", blocks_cached=True),
+    Shape("conversation-cached", "generative_agents", conversation=True, blocks_cached=True),
 )}
 
 
@@ -82,6 +95,13 @@ def shape_row(shape: Shape, summaries: dict[str, list[dict]]) -> dict:
     def worst_speedup(key: str) -> float:
         return min(mean_later([r], key) / mean_later([o], key) for r, o in zip(radix, ours))
 
+    def by_round(key: str) -> dict[str, float]:
+        rounds = sorted(radix[0][key], key=int)
+        return {k: round(sum(r[key][k] for r in radix) / sum(o[key][k] for o in ours), 3) for k in rounds}
+
+    def cumulative(key: str) -> float:
+        return sum(sum(r[key].values()) for r in radix) / sum(sum(o[key].values()) for o in ours)
+
     exact_radix, exact_ours = total_later(radix, "cached_tokens_by_round"), total_later(ours, "cached_tokens_by_round")
     last = max(radix[0]["cached_tokens_by_round"], key=int)
     return {
@@ -90,13 +110,18 @@ def shape_row(shape: Shape, summaries: dict[str, list[dict]]) -> dict:
         "prefill_speedup_worst": worst_speedup("round_prefill_by_round_s"),
         "latency_speedup": speedup("round_latency_by_round_s"),
         "latency_speedup_worst": worst_speedup("round_latency_by_round_s"),
+        "prefill_speedup_by_round": by_round("round_prefill_by_round_s"),
+        "latency_speedup_by_round": by_round("round_latency_by_round_s"),
+        "latency_speedup_cumulative": cumulative("round_latency_by_round_s"),
         "prompt_tokens_radix": total_later(radix, "prompt_tokens_by_round"),
         "prompt_tokens": total_later(ours, "prompt_tokens_by_round"),
         "exact_tokens_radix": exact_radix, "exact_tokens": exact_ours,
         "exact_ratio": exact_ours / exact_radix if exact_radix else None,
         "last_round_exact_tokens_radix": sum(s["cached_tokens_by_round"][last] for s in radix),
         "last_round_exact_tokens": sum(s["cached_tokens_by_round"][last] for s in ours),
+        "last_round_kept_tokens": sum(s["kept_tokens_by_round"][last] for s in ours),
         "approximate_tokens": total_later(ours, "reused_tokens_by_round"),
+        "kept_tokens": total_later(ours, "kept_tokens_by_round"),
         "errors": sum(s["errors"] for s in (*radix, *ours)),
     }
 
@@ -191,11 +216,16 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_plot:
         plot(args.output_file.with_suffix(".png"), rows)
     idles = [r for r in records if r["type"] == "idle"]
+    per_round = [{"shape": r["shape"], **{f"prefill r{k}": v for k, v in r["prefill_speedup_by_round"].items()},
+                  **{f"latency r{k}": v for k, v in r["latency_speedup_by_round"].items()},
+                  "latency, all rounds": r["latency_speedup_cumulative"]} for r in rows]
     md = args.output_file.with_suffix(".md")
     report.write_markdown(md, "Never worse than radix: every shape, rounds after the first", command, [
         ("Machine idle before each shape", report.markdown_table(idles, ["shape", "cpu_busy_fraction", "idle"])),
         (f"TokenDance against stock radix ({args.repeats} runs of each mode per shape, order alternating)",
-         report.markdown_table(rows, list(rows[0])))])
+         report.markdown_table(rows, [k for k in rows[0] if not k.endswith("_by_round")])),
+        ("Each round and all of them, radix's time over TokenDance's (>= 1: never worse)",
+         report.markdown_table(per_round, list(per_round[0])))])
     print(md.read_text())
 
 

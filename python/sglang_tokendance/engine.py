@@ -34,6 +34,7 @@ class Engine(SGLangEngine):
             raise TypeError("sglang_tokendance.Engine takes ServerArgs' fields as keywords, not server_args=: "
                             "its defaults fill, and its checks read, what the keywords give")
         tokendance_args, kwargs = TokenDanceArgs.split_kwargs(kwargs)
+        tokendance_args = tokendance_args.with_storage_for(ON_CPU, kwargs.get)
         tokendance_args.export_to_env()  # read by our plugin in every spawned process
         if "model_path" not in kwargs:
             kwargs["model_path"] = str(prepared_default_model())

@@ -10,12 +10,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any, Callable
 
 from sglang_tokendance import cpu
 from sglang_tokendance.served_model import ModelNotLocalError, check_rope, export_model_salt
 from sglang_tokendance.server_args import (
     ATTENTION_BACKEND,
     FOREST_BACKEND,
+    STORAGE_DEPENDS_ON,
     TokenDanceArgs,
     TokenDanceArgsError,
     check_server_args,
@@ -83,6 +85,16 @@ def with_defaults(argv: list[str], on_cpu: bool, forest: bool = False, mirror: b
     return argv + extra
 
 
+def given_values(argv: list[str]) -> Callable[[str], Any]:
+    """What `argv` gives for the SGLang arguments `auto` storage depends on, by ServerArgs field
+    name (None: not given; SGLang's defaults for these are None)."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    for name in STORAGE_DEPENDS_ON:
+        parser.add_argument("--" + name.replace("_", "-"), dest=name)
+    values = vars(parser.parse_known_args(argv)[0])
+    return values.get
+
+
 def expand_config(argv: list[str]) -> list[str]:
     """argv with `--config FILE` replaced by the file's flags, SGLang's and ours, by SGLang's
     own merger (the command line wins), so our defaults see what the file gives."""
@@ -115,8 +127,9 @@ def main(argv: list[str] | None = None) -> None:
         td_args = TokenDanceArgs.from_cli_args(td_namespace)
     except TokenDanceArgsError as e:
         parser.error(str(e))
-    td_args.export_to_env()
     on_cpu = cpu.prepare_process()
+    td_args = td_args.with_storage_for(on_cpu, given_values(sglang_argv))
+    td_args.export_to_env()
     try:
         sglang_argv = with_defaults(sglang_argv, on_cpu, forest=td_args.kv_enabled, mirror=td_args.mirror_storage)
     except RuntimeError as e:

@@ -21,7 +21,7 @@ from sglang_tokendance.core.segments import DEFAULT_SEPARATOR
 from sglang_tokendance.core.selection import GRANULARITIES, RULES
 
 SELECTION_RULES = tuple(RULES)
-STORAGES = ("dense", "mirror")
+STORAGES = ("auto", "dense", "mirror")
 
 ENV_VAR = "SGLANG_TOKENDANCE_CONFIG"
 FOREST_BACKEND = "tokendance"  # the radix-cache backend name of srt/forest.py
@@ -88,8 +88,11 @@ class TokenDanceArgs:
         "(--no-tokendance-sparse-writeback keeps the probe's recomputed KV there)."
     )
     storage: str = _option(
-        "dense", "Where reused KV is read: dense (each reader gets a copy rotated to its positions) or mirror "
-        "(zero copy: rows read the Masters' slots in place at a shift, through the tokendance attention backend)."
+        "auto", "Where reused KV is read: dense (each reader gets a copy rotated to its positions), mirror "
+        "(zero copy: rows read the Masters' slots in place at a shift, through the tokendance attention backend; "
+        "finished rows are kept for their continuation), or auto: mirror where the tokendance backend runs "
+        "SGLang's own attention for every other row (the CPU, torch_native) and nothing given asks for another "
+        "backend, dense elsewhere (a GPU: SGLang's FlashInfer/Triton backends and CUDA graphs)."
     )
     diff_threshold: float = _option(
         0.0, "Mirror storage: a recomputed token whose K and V lie within this relative L2 distance of its "
@@ -102,6 +105,12 @@ class TokenDanceArgs:
         "radix tree, so later prompts hit it exactly as on stock SGLang; a prompt that continues a finished "
         "request's prompt and registered answer is computed exactly throughout (--no-tokendance-exact-recurrence: "
         "every cached block is reused approximately, wherever it sits)."
+    )
+    keep_rows: bool = _option(
+        True, "Mirror storage: a finished request that holds approximate KV is kept (zero copy, evictable) for the "
+        "prompt that continues it -- its agent's next prompt, or, for a request naming no agent, any prompt with "
+        "segments that repeats its tokens -- which then reads the KV it read instead of computing its blocks "
+        "again (--no-tokendance-keep-rows: only requests naming their `agent` are kept)."
     )
     max_approximate_tokens: int = _option(
         -1, "Fidelity budget: at most this many of a request's reused tokens keep their cached (approximate) KV; "
@@ -232,8 +241,22 @@ class TokenDanceArgs:
 
     @property
     def mirror_storage(self) -> bool:
-        """Rows read Masters' slots in place, through the tokendance attention backend."""
+        """Rows read Masters' slots in place, through the tokendance attention backend (`auto`
+        is resolved by the launcher and Engine first: `with_storage_for`)."""
         return self.storage == "mirror"
+
+    def with_storage_for(self, on_cpu: bool, get: Callable[[str], Any]) -> "TokenDanceArgs":
+        """These options with `auto` storage resolved for a server whose SGLang arguments `get`
+        returns by field name (None: not given): mirror on the CPU, where the tokendance
+        attention backend runs SGLang's torch_native for the rows that read no Master at a
+        shift, unless what is given asks for what mirror storage refuses (another attention
+        backend, dense write-back, SGLang's KV events) or TokenDance is off; dense elsewhere
+        (on a GPU the backend would replace FlashInfer/Triton and CUDA graphs)."""
+        if self.storage != "auto":
+            return self
+        backends = {get(name) for name in ATTENTION_BACKEND_FIELDS} - {None, ATTENTION_BACKEND}
+        mirror = on_cpu and self.kv_enabled and self.sparse_writeback and not backends and not get("kv_events_config")
+        return dataclasses.replace(self, storage="mirror" if mirror else "dense")
 
     @property
     def approximate_budget(self) -> int | None:
@@ -325,6 +348,7 @@ def _graphs_on(get: Callable[..., Any], phase: str) -> bool:
 
 
 ATTENTION_BACKEND_FIELDS = ("attention_backend", "prefill_attention_backend", "decode_attention_backend")
+STORAGE_DEPENDS_ON = (*ATTENTION_BACKEND_FIELDS, "kv_events_config")  # the SGLang arguments `auto` storage reads
 
 
 def _check_storage(args: TokenDanceArgs, get: Callable[..., Any]) -> None:

@@ -64,7 +64,11 @@ class Mode:
 MODES: dict[str, Mode] = {
     "radix": Mode("radix", stock=True),
     "no-cache": Mode("no-cache", stock=True, server_args=("--disable-radix-cache",)),
-    "tokendance": Mode("tokendance", stock=False, marked=True),  # default blended prefill
+    "tokendance": Mode("tokendance", stock=False, marked=True),  # the defaults (on the CPU: mirror storage, kept rows)
+    # dense storage (the GPU's default): every reader copies the Masters, the round after an approximate read
+    # computes its recurring blocks exactly (no kept rows)
+    "tokendance-dense": Mode("tokendance-dense", stock=False, marked=True,
+                             server_args=("--tokendance-storage", "dense")),
     # every cached block reused approximately, even where it recurs after the same exact prefix (core/recurrence)
     "tokendance-approximate": Mode("tokendance-approximate", stock=False, marked=True,
                                    server_args=("--no-tokendance-exact-recurrence",)),
@@ -120,8 +124,14 @@ class RequestRecord:
     adopted_tokens: int = 0  # reused tokens that skipped the probe (its round group's shared probe)
     mirror_diff_tokens: int = 0  # own KV slots at its reused positions (all of them under dense storage)
     exact_recurring_tokens: int = 0  # block tokens computed exactly where they recurred after the same prefix
+    kept_tokens: int = 0  # its prompt's prefix read from a kept row (its own earlier request's KV, approximate)
     prompt: str = field(default="", repr=False)  # the text it sent (--quality sends it again)
     output_ids: list[int] = field(default_factory=list, repr=False)
+
+    def exact_tokens(self) -> int:
+        """Prompt tokens served exactly from the radix tree: SGLang's cached prefix, less the
+        part read from a kept row (srt/kept_mirrors: the same text's earlier approximate KV)."""
+        return self.cached_tokens - self.kept_tokens
 
     def prompt_tokens_computed(self) -> int:
         """Prompt tokens the forward computed: the server's count, or (stock SGLang, which
@@ -178,7 +188,8 @@ class RunResult:
             "round_prefill_by_round_s": {k: mean(r.prefill for r in v) for k, v in sorted(by_round.items())},
             "computed_tokens_by_round": tokens_by_round(RequestRecord.prompt_tokens_computed),
             "prompt_tokens_by_round": tokens_by_round(lambda q: q.prompt_tokens),
-            "cached_tokens_by_round": tokens_by_round(lambda q: q.cached_tokens),
+            "cached_tokens_by_round": tokens_by_round(RequestRecord.exact_tokens),
+            "kept_tokens_by_round": tokens_by_round(lambda q: q.kept_tokens),
             "reused_tokens_by_round": tokens_by_round(lambda q: q.reused_tokens),
             "mean_round_prefill_s": mean(r.prefill for r in self.rounds),
             "mean_round_decode_s": mean(r.decode for r in self.rounds),
@@ -313,6 +324,8 @@ async def run_session(http, url: str, mode: Mode, sim: Simulation, session: int,
     run_id = f"{time.time_ns()}-{session}"  # round and agent ids unique per server, whatever ran on it before
     key = f"sim-{run_id}"
     earlier: list[list[str]] = [[] for _ in sim.agents]  # each agent's conversation so far (config.conversation)
+    if sim.config.blocks_cached:
+        await cache_blocks(http, url, mode, [*sim.context[0], *blocks], key)
     for round_index in range(sim.config.num_rounds):
         pieces = [sim.round_pieces(a, round_index, blocks, earlier[a]) for a in range(len(sim.agents))]
         bodies = [request_body(sim, mode, pieces[a], prefill_only, f"{run_id}-{round_index}", f"{run_id}-{a}")
@@ -338,7 +351,8 @@ async def run_session(http, url: str, mode: Mode, sim: Simulation, session: int,
                 meta.get("cached_tokens", 0), meta["completion_tokens"], reuse.get("reused_tokens", 0),
                 last["text"], reuse.get("recomputed_tokens", 0), reuse.get("computed_tokens", 0),
                 reuse.get("segment_hits", 0), reuse.get("adopted_tokens", 0), reuse.get("mirror_diff_tokens", 0),
-                reuse.get("exact_recurring_tokens", 0), bodies[agent]["text"], list(last.get("output_ids", [])),
+                reuse.get("exact_recurring_tokens", 0), reuse.get("agent_prefix_tokens", 0), bodies[agent]["text"],
+                list(last.get("output_ids", [])),
             ))
         if prefill_only:
             blocks = await register_stand_ins(http, url, mode, sim, round_index, blocks, key)
@@ -347,6 +361,16 @@ async def run_session(http, url: str, mode: Mode, sim: Simulation, session: int,
             blocks = [message_block(outs[a][2]["text"]) if a in outs else blocks[a] for a in range(len(blocks))]
             earlier = [[*pieces[a], blocks[a]] for a in range(len(blocks))]
         progress.update(1)
+
+
+async def cache_blocks(http, url: str, mode: Mode, blocks: list[str], routing_key: str) -> None:
+    """Untimed: each block sent once on its own (marked for TokenDance, which caches it as a
+    segment where it stands; a stock server holds it in its tree), as other requests before the
+    simulation would have left them."""
+    marker = DEFAULT_SEPARATOR if mode.marked else ""
+    bodies = [{"text": f"{marker}{block}{marker}", "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+              for block in blocks]
+    await asyncio.gather(*(stream_generate(http, url, b, routing_key) for b in bodies))
 
 
 async def register_stand_ins(http, url: str, mode: Mode, sim: Simulation, round_index: int,

@@ -269,8 +269,7 @@ def server_argv(setting: Setting | None, config: ServerConfig, workload_flags: S
         argv += ["--no-tokendance-planned-selection"]
     if setting.budget is not None:
         argv += ["--tokendance-max-approximate-tokens", str(setting.budget)]
-    if setting.storage != "dense":
-        argv += ["--tokendance-storage", setting.storage]
+    argv += ["--tokendance-storage", setting.storage]  # named: the launcher's `auto` is mirror on the CPU
     if setting.diff_threshold:
         argv += ["--tokendance-diff-threshold", str(setting.diff_threshold)]
     return argv + ([] if options.sparse_writeback else ["--no-tokendance-sparse-writeback"])

@@ -46,6 +46,7 @@ class WorkloadConfig:
     block_words: int = 80  # length of each seed message and context block
     permute: bool = True  # each agent sees the messages in its own order
     conversation: bool = False  # each round's prompt extends the agent's previous prompt and answer
+    blocks_cached: bool = False  # round 0's blocks were cached before (another simulation, earlier requests)
     max_new_tokens: int = 104
     seed: int = 0
 

@@ -36,8 +36,9 @@ blended prefill on the plans (a chunked prompt's first blended chunk choosing fo
 prompt first: `select_prompts`, srt/prompt_selection.py) and hands them back (`settle`).
 A request's approximate KV never enters the shared tree, in any chunk: it publishes only the
 part before its first reused token, and caches only segments that end before it. Under
-mirror storage a finished row that names its agent is kept whole for that agent alone, in a
-namespace only the agent's requests match (srt/kept_mirrors.py).
+mirror storage a finished row that holds approximate KV is kept whole for the prompt that
+continues it, in a namespace of its agent's (or of unnamed requests with segments) that the
+shared tree's readers never match (srt/kept_mirrors.py).
 
 Output registration: srt/output_registration.py. Metrics: srt/metrics.py.
 """
@@ -86,7 +87,7 @@ class SegmentForest(KeptMirrors):
                  group_of: Callable[[object], Hashable | None] = lambda req: None,
                  leads: Callable[[object], bool] = lambda req: False, exact_recurrence: bool = True,
                  cost: PrefillCost | None = None, max_approximate: int | None = None, diff_threshold: float = 0.0,
-                 planned_selection: bool = True):
+                 planned_selection: bool = True, keep_rows: bool = True):
         self.options = options or RequestOptionsCache()  # each request's TokenDance options, parsed once
         self.group_of = group_of  # the key of the round group a request is admitted with (srt/policy)
         self.leads = leads  # whether a request is admitted as its round's leader (srt/policy)
@@ -95,8 +96,9 @@ class SegmentForest(KeptMirrors):
         self.salt = salt
         self.blend, self.rule = blend, rule
         self.cost = cost  # chunks whose blending would not pay take SGLang's path (None: every match blends)
-        self.max_approximate = max_approximate  # each request's fidelity budget (None: the ratio alone)
+        self.max_approximate = max_approximate  # each request's fidelity budget (None: the ratio alone; kept rows too)
         self.planned_selection = planned_selection  # a chunked prompt's selection made once (srt/prompt_selection)
+        self.keeps_unnamed = keep_rows  # mirror storage: unnamed requests' rows kept too (srt/kept_mirrors)
         self.min_segment_tokens = min_segment_tokens
         self.sightings = Sightings() if exact_recurrence else None  # blocks to compute exactly where they recur
         self.requests: dict[object, RequestReuse] = {}  # SGLang's Req -> its reuse, until released
@@ -148,13 +150,13 @@ class SegmentForest(KeptMirrors):
         exact = min(up_to, state.first_reused)  # reused KV is approximate: keep it out
         if exact >= req.kv.cache_protected_len:  # (a row continuing its agent's kept Mirror publishes nothing)
             super().checkpoint(req, up_to=exact)  # the row now points at the tree's slots up to `exact`
-        self.insert_segments(req, state, exact)
+        self.insert_segments(req, state, state.segments_until(exact, up_to))
         if req.finished():  # before SGLang releases the row's own slots
             if self.sightings is not None and state.can_reuse:
                 self.sightings.record_prompt(state.namespace, req.origin_input_ids, state.unpublished_spans(exact))
             if state.options.register_output:
                 self.register_output(req, state)
-            if self.zero_copy and state.options.agent is not None and exact < up_to:
+            if self.keeps(state.options) and exact < up_to:
                 self.keep_for_agent(req, state.options.agent, up_to)
         self.metrics.update_held()
 
@@ -386,8 +388,10 @@ class SegmentForest(KeptMirrors):
     def _new_state(self, req) -> RequestReuse | None:
         if is_lora(req):
             return None
+        kept = is_kept(req.last_node)
         return RequestReuse.of(req, self.options(req), can_reuse=self.reuse and may_reuse(req),
-                               agent_prefix=req.prefix_len if is_kept(req.last_node) else 0,
+                               agent_prefix=req.prefix_len if kept else 0,
+                               kept_approximate=self.approximate_positions(req.last_node) if kept else 0,
                                sightings=self.sightings, leads=self.reuse and self.leads(req), blend=self.blend)
 
     def take_plans(self, forward_batch, blendable: bool, attention) -> list[ChunkPlan | None] | None:
@@ -621,7 +625,7 @@ def build_forest(ctx: TreeCacheBuildContext, options: Callable[[object], Request
                          min_segment_tokens=args.min_segment_tokens, options=options, group_of=group_of, leads=leads,
                          exact_recurrence=args.exact_recurrence, cost=cost,
                          max_approximate=args.approximate_budget, diff_threshold=args.diff_threshold,
-                         planned_selection=args.planned_selection)
+                         planned_selection=args.planned_selection, keep_rows=args.keep_rows)
 
 
 def blendable_request(req) -> bool:

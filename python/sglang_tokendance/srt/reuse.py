@@ -159,6 +159,7 @@ class RequestReuse:
     admitted: ChunkPlan | None = None  # its chunk's plan, made at admission, for the batch being built (mirror)
     blend: BlendOptions = BlendOptions()  # the server's blended prefill (its share, whether a chunk chooses ahead)
     credited: tuple[SegmentSpan, ...] = ()  # blocks held exactly that it would otherwise reuse: in its budget
+    kept_approximate: int = 0  # approximate positions of the kept row it continues: spent of its fidelity budget
     _looked_up: set[int] = field(default_factory=set)  # spans counted as a hit or a miss
 
     @property
@@ -169,11 +170,14 @@ class RequestReuse:
     @classmethod
     def of(cls, req, options: RequestOptions, can_reuse: bool, agent_prefix: int = 0,
            sightings: Sightings | None = None, leads: bool = False,
-           blend: BlendOptions = BlendOptions()) -> "RequestReuse | None":
+           blend: BlendOptions = BlendOptions(), kept_approximate: int = 0) -> "RequestReuse | None":
         """The state of a request that carries segments, asks for output registration or
-        names its agent (`options`, parsed once). `agent_prefix`: its matched prefix is its
-        agent's kept Mirror, whose KV is approximate past its first reused token, so nothing of
-        this row enters the shared tree or becomes a segment (its exact part is there already).
+        names its agent (`options`, parsed once). `agent_prefix`: its matched prefix is a kept
+        Mirror (its agent's, or an unnamed request's it repeats: srt/kept_mirrors), whose KV is
+        approximate past its first reused token, so nothing of this row enters the shared tree
+        or becomes a segment (its exact part is there already); the blocks of it that were read
+        approximately there stay in its recompute budget, and its `kept_approximate` positions
+        read from Masters are spent of its fidelity budget.
         `sightings`: the blocks seen before, each one that recurs at the request's exact
         frontier is computed exactly (core/recurrence.py; None: every block may be reused), and
         the blocks it holds exactly that were read approximately there before are credited to
@@ -184,15 +188,25 @@ class RequestReuse:
             return None
         state = cls(req, namespace_of(req), options, can_reuse and bool(options.spans),
                     reusable=list(options.spans), uninserted=list(options.spans), blend=blend)
-        if agent_prefix:
-            state.first_reused = 0
+        if agent_prefix:  # nothing of its kept row's approximate KV is published
+            state.first_reused, state.kept_approximate = 0, kept_approximate
             state.counts.agent_prefix_tokens = agent_prefix
-        elif leads and state.can_reuse:
+            state.uninserted = [span for span in options.spans if span.start >= agent_prefix]
+        if leads and state.can_reuse:  # (after its kept row too: its blocks are computed in round context)
             state.reusable, state.leads = [], True
         elif sightings is not None and state.can_reuse:
-            state.compute_recurring(sightings.recurrence(state.namespace, req.origin_input_ids, options.spans,
-                                                         req.prefix_len), req.prefix_len)
+            recurrence = sightings.recurrence(state.namespace, req.origin_input_ids, options.spans, req.prefix_len)
+            if agent_prefix:  # its kept row's blocks read approximately before stay in its budget
+                state.credited = tuple(span for span in recurrence.seen if span.end <= agent_prefix)
+            else:
+                state.compute_recurring(recurrence, req.prefix_len)
         return state
+
+    def segments_until(self, exact: int, up_to: int) -> int:
+        """Up to where its spans' KV may become segments, its row computed to `up_to` and exact
+        to `exact`: a leader's blocks, computed in full after whatever prefix it has (its kept
+        row's included), are its round's Masters."""
+        return up_to if self.leads else exact
 
     def take_admitted(self) -> ChunkPlan | None:
         """The plan made at admission for the batch being built (mirror storage), handed over once."""
@@ -277,10 +291,12 @@ class RequestReuse:
 
     def allowance(self, max_approximate: int | None) -> int | None:
         """What is left of the fidelity budget (`max_approximate`, the server's; the request's
-        own wins) after the reused tokens its earlier chunks left approximate (None: no bound)."""
+        own wins) after the reused tokens its earlier chunks left approximate and the approximate
+        positions of the kept row it continues (None: no bound)."""
         if self.options.max_approximate_tokens is not None:
             max_approximate = self.options.max_approximate_tokens
-        return None if max_approximate is None else max(0, max_approximate - self.counts.reused_tokens)
+        spent = self.counts.reused_tokens + self.kept_approximate
+        return None if max_approximate is None else max(0, max_approximate - spent)
 
     def runs_in(self, table: SegmentTable, start: int, end: int) -> ChunkRuns[SegmentEntry]:
         """The runs of prompt positions [start, end) over the cached segments (nothing counted)."""
