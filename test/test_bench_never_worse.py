@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from conftest import emptied
 from sglang_tokendance import bench_never_worse
 
 
@@ -55,7 +56,8 @@ def test_repeats_pool_their_rounds_and_keep_the_worst_ratio():
 
 
 def test_cli_refuses_unknown_shapes_and_single_rounds():
-    for argv in (["--shapes", "all-gather,spiral"], ["--num-rounds", "1"], ["--repeats", "0"]):
+    for argv in (["--shapes", "all-gather,spiral"], ["--num-rounds", "1"], ["--repeats", "0"],
+                 ["--radix-url", "http://x"], ["--shapes", "chunked", "--radix-url", "u", "--tokendance-url", "v"]):
         with pytest.raises(SystemExit):
             bench_never_worse.parse_args(argv)
 
@@ -64,7 +66,7 @@ def test_cli_refuses_unknown_shapes_and_single_rounds():
 def test_every_shape_serves_at_least_radixs_exact_tokens(tmp_path, tiny_llama):
     out = tmp_path / "never_worse.jsonl"
     shapes = ("all-gather", "static", "unmarked", "chunked", "static-cached")  # conversations: on SmolLM2 below
-    bench_never_worse.main(["--model-path", tiny_llama, "--num-agents", "3", "--num-rounds", "3",
+    bench_never_worse.main(["--model-path", tiny_llama, "--num-agents", "3", "--num-rounds", "2",
                             "--max-new-tokens", "24", "--repeats", "1", "--shapes", ",".join(shapes),
                             "--output-file", str(out)])
     rows = {r["shape"]: r for r in map(json.loads, out.read_text().splitlines()) if r["type"] == "shape"}
@@ -90,15 +92,18 @@ def test_every_shape_serves_at_least_radixs_exact_tokens(tmp_path, tiny_llama):
 
 
 @pytest.mark.slow
-def test_a_conversation_serves_at_least_radixs_exact_tokens_in_its_last_round(tmp_path, smollm2_path):
+def test_a_conversation_serves_at_least_radixs_exact_tokens_in_its_last_round(tmp_path, default_server_url,
+                                                                                stock_server_url):
     """The conversation shape on SmolLM2, whose answers survive the text round trip, with round
-    0's blocks cached before it (so round 0 reads them approximately and round 1 is the round
-    after an approximate read): each transcript continues its agent's last prompt and answer, so
-    the last round computes nothing radix serves (it reads its kept row of the round before:
-    mirror storage), and reads some of it approximately (kept tokens)."""
+    0's blocks cached before it (so round 0 reads them approximately and round 1, the last, is
+    the round after an approximate read): each transcript continues its agent's last prompt and
+    answer, so the last round computes nothing radix serves (it reads its kept row of the round
+    before: mirror storage), and reads some of it approximately (kept tokens). On the session's
+    servers (stock, and TokenDance with its defaults)."""
     out = tmp_path / "conversation.jsonl"
-    bench_never_worse.main(["--shapes", "conversation-cached", "--num-agents", "3", "--num-rounds", "3",
-                            "--max-new-tokens", "16", "--repeats", "1", "--no-plot", "--output-file", str(out)])
+    bench_never_worse.main(["--shapes", "conversation-cached", "--num-agents", "3", "--num-rounds", "2",
+                            "--max-new-tokens", "16", "--repeats", "1", "--no-plot", "--output-file", str(out),
+                            "--radix-url", emptied(stock_server_url), "--tokendance-url", emptied(default_server_url)])
     row = next(r for r in map(json.loads, out.read_text().splitlines()) if r["type"] == "shape")
     assert row["errors"] == 0
     assert row["last_round_exact_tokens"] + row["last_round_kept_tokens"] >= row["last_round_exact_tokens_radix"] > 0

@@ -19,32 +19,19 @@ def test_engine_refuses_a_built_server_args():
 
 
 def test_engine_defaults_to_smollm2_and_matches_hf(hf_smollm2):
-    import sglang_tokendance
-
-    engine = sglang_tokendance.Engine(log_level="error")
-    try:
-        prompts = ["The capital of France is", "List three animals:"]
-        outs = engine.generate(prompts, {"max_new_tokens": 16, "temperature": 0})
-        for prompt, out in zip(prompts, outs):
-            assert out["output_ids"] == hf_greedy(hf_smollm2, prompt, 16)
-        assert engine.tokendance_args.kv_enabled
-        assert engine.get_server_info()["tokendance"]["disable_tokendance"] is False
-    finally:
-        engine.shutdown()
-
-
-def test_engine_mirror_storage_matches_hf(hf_smollm2):
-    """--tokendance-storage mirror as an Engine keyword: the tokendance attention backend (K
+    """The defaults on the CPU resolve to mirror storage: the tokendance attention backend (K
     un-rotated in the pool, RoPE on read) gives HF's greedy output on SmolLM2."""
     import sglang_tokendance
 
-    engine = sglang_tokendance.Engine(tokendance_storage="mirror", log_level="error")
+    engine = sglang_tokendance.Engine(log_level="error")
     try:
         assert engine.get_server_info()["attention_backend"] == "tokendance"
         prompts = ["The capital of France is", "List three animals:"]
         outs = engine.generate(prompts, {"max_new_tokens": 16, "temperature": 0})
         for prompt, out in zip(prompts, outs):
             assert out["output_ids"] == hf_greedy(hf_smollm2, prompt, 16)
+        assert engine.tokendance_args.kv_enabled and engine.tokendance_args.mirror_storage
+        assert engine.get_server_info()["tokendance"]["disable_tokendance"] is False
     finally:
         engine.shutdown()
 

@@ -49,8 +49,10 @@ def stock_prefix_results(stock_server_url):
 
 @pytest.fixture(scope="module")
 def server(smollm2_path):
-    """Plain reuse (recompute ratio 0): the forest's own path; test_blend_server covers r > 0."""
-    with ServerProcess(["--tokendance-recompute-ratio", "0", "--tokendance-storage", "dense"]) as proc:
+    """Plain reuse (recompute ratio 0): the forest's own path; test_blend_server covers r > 0. No
+    inferred rounds: prompts sent together are one batch (test_rounds_server covers rounds)."""
+    with ServerProcess(["--tokendance-recompute-ratio", "0", "--tokendance-storage", "dense",
+                        "--tokendance-round-min-shared", "0"]) as proc:
         yield proc.url
 
 
@@ -218,6 +220,34 @@ def test_chat_with_markers_reuses_cached_blocks(server):
     assert r.status_code == 200, r.text
     info = r.json()["metadata"]["tokendance"]
     assert info["segment_hits"] == 2 and info["reused_tokens"] > 0
+
+
+def test_unmarked_chat_messages_are_segments_another_agents_chat_reuses(server):
+    """No markers: each message of an OpenAI chat is a segment, so a second agent whose chat
+    holds the same messages after another system message reads them at a shift; a chat whose
+    messages are short is SGLang's alone."""
+    requests.post(server + "/flush_cache", timeout=60)
+
+    answers = []
+
+    def chat(system: str, turns: list[str], tokens: int = 4) -> dict:
+        messages = [{"role": "system", "content": system}] + [
+            {"role": "assistant" if t in answers else "user", "content": t} for t in turns]
+        r = requests.post(server + "/v1/chat/completions", json={
+            "model": "m", "max_tokens": tokens, "ignore_eos": True, "temperature": 0, "messages": messages},
+            timeout=300)
+        assert r.status_code == 200, r.text
+        answers.append(r.json()["choices"][0]["message"]["content"])
+        return r.json()["metadata"]["tokendance"]
+
+    first = chat("You are Mira.", [BLOCKS[0], BLOCKS[1]], tokens=24)
+    assert len(first["segments"]) == 2 and first["reused_tokens"] == 0 and first["register_output"]
+    second = chat(H_MIRA, [BLOCKS[1], BLOCKS[0]])
+    assert len(second["segments"]) == 3  # the long system message is one too
+    assert second["segment_hits"] == 2 and second["reused_tokens"] > 0
+    quoting = chat("You are Oskar.", [BLOCKS[2], answers[0]])  # the first answer, registered, is a hit
+    assert len(quoting["segments"]) == 2 and quoting["segment_hits"] == 1 and quoting["reused_tokens"] > 0
+    assert chat("Be brief.", ["Hi there."])["segments"] == []
 
 
 def test_registered_output_is_reused_as_next_rounds_block(server):

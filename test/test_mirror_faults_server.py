@@ -40,7 +40,8 @@ def server(tiny_llama):
     # prompts are sent again on purpose, to read Masters again (not to be computed as recurrences)
     with ServerProcess(["--model-path", tiny_llama, "--max-total-tokens", str(POOL), "--context-length", "1024",
                         "--schedule-conservativeness", "0.05", "--tokendance-storage", "mirror",
-                        "--tokendance-check-layer", "2", "--enable-metrics", "--no-tokendance-exact-recurrence"],
+                        "--tokendance-check-layer", "2", "--enable-metrics", "--no-tokendance-exact-recurrence",
+                        "--tokendance-round-min-shared", "0"],  # readers sent together are not a round
                        env={"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1"}) as proc:
         cache_every_block(proc.url)
         assert forest_stats(proc.url)["segment_nodes"] == len(BLOCKS)
@@ -264,10 +265,12 @@ def test_flush_waits_for_live_mirrors_then_frees_every_slot(server):
 def retracting_server(tiny_llama):
     """Mirror storage at the default recompute ratio (rows read Masters in place) under SGLang's
     retraction test switch; the pool holds every block, so a re-run reads the same Masters (and a
-    prompt sent again reads them again: no recurrence computed exactly, no unnamed row kept)."""
+    prompt sent again reads them again: no recurrence computed exactly, no unnamed row kept, no
+    inferred round: a batch reads the Masters its requests read alone)."""
     with ServerProcess(["--model-path", tiny_llama, "--max-total-tokens", "8192", "--context-length", "1024",
                         "--tokendance-storage", "mirror", "--tokendance-check-layer", "2",
-                        "--no-tokendance-exact-recurrence", "--no-tokendance-keep-rows"],
+                        "--no-tokendance-exact-recurrence", "--no-tokendance-keep-rows",
+                        "--tokendance-round-min-shared", "0"],
                        env={**RETRACT_EVERY_30_STEPS, "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1"}) as proc:
         cache_every_block(proc.url)
         yield proc.url

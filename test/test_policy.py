@@ -33,7 +33,9 @@ class Req(SimpleNamespace):
 
 
 def req(name: str, round_id: str | None = None, size: int | None = None, hashes=(), output_ids=()):
-    payload = {"segments": [{"start": 0, "end": 1, "hash": h} for h in hashes]}
+    """`hashes`: segment hashes, each at offset 0, or (hash, offset) pairs."""
+    placed = [h if isinstance(h, tuple) else (h, 0) for h in hashes]
+    payload = {"segments": [{"start": at, "end": at + 1, "hash": h} for h, at in placed]}
     if round_id is not None:
         payload["round"] = round_id
     if size is not None:
@@ -66,9 +68,11 @@ class Scheduler:
         return self.batches[-1]
 
 
-def setup(window_ms: float = 100.0, min_shared: int = 0, budget: int = 100, leader: bool = False):
+def setup(window_ms: float = 100.0, min_shared: int | None = 0, budget: int = 100, leader: bool = False):
+    """`min_shared` None: the server's default."""
     clock = Clock()
-    args = TokenDanceArgs(round_window_ms=window_ms, round_min_shared=min_shared, round_leader=leader)
+    inferred = {} if min_shared is None else {"round_min_shared": min_shared}
+    args = TokenDanceArgs(round_window_ms=window_ms, round_leader=leader, **inferred)
     policy = RoundPolicy(args, RequestOptionsCache(), clock=clock)
     return clock, Scheduler(policy, budget)
 
@@ -189,11 +193,30 @@ def test_aborted_held_member_is_forgotten():
 
 def test_retracted_request_is_never_held_and_inferred_rounds_group_overlaps():
     clock, sched = setup(min_shared=2)
-    sched.waiting_queue += [req("retracted", "r", 2, output_ids=[5]), req("x", hashes=["h1", "h2"]),
-                            req("y", hashes=["h2", "h1", "h3"]), req("z", hashes=["h9"])]
+    sched.waiting_queue += [req("retracted", "r", 2, output_ids=[5]), req("x", hashes=[("h1", 3), ("h2", 9)]),
+                            req("y", hashes=[("h2", 5), ("h1", 20), ("h3", 40)]), req("z", hashes=[("h9", 4)])]
     assert sched.schedule() == ["retracted", "z"]
     clock.now = 0.1
     assert sched.schedule() == ["x", "y"]
+
+
+def test_inferred_rounds_count_only_segments_shared_at_a_shift():
+    """A chat's history (the same messages at the same offsets in every prompt, or cached where
+    they sit) shares nothing at a shift: never held. A prompt holding a block cached at another
+    offset is held though it arrives alone, and the prompts reading it with it form its round."""
+    clock, sched = setup(min_shared=None)
+    assert sched.policy.grouper.min_shared == 1  # the default infers rounds
+    sched.policy.cached_at = {((None, None), "doc"): 7, ((None, None), "history"): 0}.get
+    sched.waiting_queue += [req("chat-1", hashes=[("history", 0), ("sys", 0)]),
+                            req("chat-2", hashes=[("history", 0), ("sys", 0)])]
+    assert sched.schedule() == ["chat-1", "chat-2"]
+    sched.waiting_queue.append(req("reader", hashes=[("history", 0), ("doc", 30)]))
+    assert sched.schedule() == []  # held: it reads "doc" at a shift
+    clock.now = 0.05
+    sched.waiting_queue.append(req("peer", hashes=[("doc", 12)]))
+    assert sched.schedule() == []
+    clock.now = 0.2
+    assert sched.schedule() == ["reader", "peer"] and sched.groups == [["reader", "peer"]] * 2
 
 
 def test_request_options_are_validated_and_carried_as_one_object():

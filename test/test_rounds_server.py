@@ -18,7 +18,7 @@ import requests
 
 from conftest import generate
 from sglang_tokendance.core.segments import DEFAULT_SEPARATOR as SEP
-from sglang_tokendance.bench.server_process import ServerProcess
+from sglang_tokendance.bench.server_process import ServerProcess, flush_cache
 from sglang_tokendance.bench.tiny_models import write_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -126,8 +126,19 @@ def test_aborted_held_member_leaves_no_state(server):
 
 
 def test_overlapping_requests_form_an_inferred_round(server):
-    rounds_before = rounds_stats(server)["rounds_formed"]
-    prompts = [SEP.join([f"You are agent {i}.", BLOCK_A, BLOCK_B, " What now?"]) for i in range(3)]
+    """Nothing cached: a prompt arriving alone shares nothing at a shift and passes at once (its
+    blocks become Masters); the next prompts, holding them at other offsets, form a round. The
+    same prompt sent again holds its blocks where they were computed: never held."""
+    flush_cache(server)
+    before = rounds_stats(server)
+    seed = SEP.join(["Notes of the scribe, written at dawn in the old mill by the river, for the council.", BLOCK_A,
+                     BLOCK_B, " Go on."])
+    generate(server, seed, 2)
+    generate(server, seed, 2)
+    stats = rounds_stats(server)
+    assert (stats["rounds_formed"], stats["wait_added_s"]) == (before["rounds_formed"], before["wait_added_s"])
+    rounds_before = stats["rounds_formed"]
+    prompts = [SEP.join([f"You are agent {'number ' * i}{i}.", BLOCK_A, BLOCK_B, " What now?"]) for i in range(3)]
     sent = []
     for i, prompt in enumerate(prompts):
         sent.append(Sent(server, prompt))

@@ -160,3 +160,43 @@ def test_bos_only_at_the_prompt_start_and_never_for_chat():
     assert chat.input_ids == [99, 100, 101, 102, 103, 104]
     assert chat.spans[0].hash == plain.spans[0].hash  # same block, same identity
     assert seg.from_pieces(["", "cd", ""]).input_ids == [1, 101, 102]
+
+
+def chat_ids(tokenizer, system: str, turns: list[str]) -> list[int]:
+    messages = [{"role": "system", "content": system}] + [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
+    return list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False))
+
+
+def test_chat_messages_are_found_as_segments_at_any_offset(segmenter, tokenizer):
+    """Two agents' chats: the same two messages after different system messages and in another
+    order are the same segments (hashes of the text tokenised alone, as if marked), at other
+    offsets; the template's text around them stays private and the ids are SGLang's own."""
+    short = "You are agent one."
+    long = "You are agent two, a careful historian of the valley, its rivers and its mills."
+    a_ids = chat_ids(tokenizer, short, [BLOCK, OTHER])
+    b_ids = chat_ids(tokenizer, long, [OTHER, BLOCK])
+    a = segmenter.find_texts(a_ids, [short, BLOCK, OTHER])
+    b = segmenter.find_texts(b_ids, [long, OTHER, BLOCK])
+    assert a.input_ids == a_ids and b.input_ids == b_ids
+    block, other = segmenter.from_text(f"x{SEP}{BLOCK}{SEP}{OTHER}{SEP}y").spans
+    assert [s.hash for s in a.spans] == [block.hash, other.hash]  # the short system message stays private
+    assert [s.hash for s in b.spans][1:] == [other.hash, block.hash]
+    assert [tokenizer.decode(b_ids[s.start:s.end]) for s in b.spans] == [long, OTHER, BLOCK]
+    assert a.spans[0].start != b.spans[2].start
+    template = [t for i, t in enumerate(a_ids) if not any(s.start <= i < s.end for s in a.spans)]
+    assert tokenizer.decode(template).count("<|im_start|>") == 4  # system, two turns, the answer's
+
+
+def test_chat_texts_not_held_or_too_short_stay_private(segmenter, tokenizer):
+    ids = chat_ids(tokenizer, "Be brief.", [BLOCK])
+    out = segmenter.find_texts(ids, ["Be brief.", OTHER, BLOCK, BLOCK])
+    assert [tokenizer.decode(ids[s.start:s.end]) for s in out.spans] == [BLOCK]  # once: the ids hold it once
+
+
+def test_a_message_the_template_trims_or_glues_is_found_inside_its_seams(segmenter, tokenizer):
+    ids = tokenizer.encode("Header:" + BLOCK.strip() + "!tail", add_special_tokens=False)
+    out = segmenter.find_texts(ids, ["  " + BLOCK + "  "])
+    (span,) = out.spans
+    assert BLOCK[3:-3] in tokenizer.decode(ids[span.start:span.end])
+    assert span.end - span.start >= len(tokenizer.encode(BLOCK, add_special_tokens=False)) - 2

@@ -135,7 +135,8 @@ def run_shapes(shapes: list[Shape], args: argparse.Namespace) -> tuple[list[dict
         extra = [*(["--model-path", args.model_path] if args.model_path else []),
                  *(["--chunked-prefill-size", str(chunk)] if chunk else [])]
         with contextlib.ExitStack() as stack:
-            urls = {stock: stack.enter_context(ServerProcess(extra, stock=stock)).url for stock in (True, False)}
+            urls = ({True: args.radix_url, False: args.tokendance_url} if args.radix_url else
+                    {stock: stack.enter_context(ServerProcess(extra, stock=stock)).url for stock in (True, False)})
             for shape in (s for s in shapes if s.chunked_prefill == chunk):
                 config = shape.config(args)
                 modes = [MODES["radix"], MODES[shape.tokendance_mode]]
@@ -195,7 +196,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2,
                    help="runs of each mode per shape, the modes' order alternating (radix first in even repeats)")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--radix-url", default=None, help="drive this running stock SGLang server instead of starting "
+                   "one (with --tokendance-url: a TokenDance server with its defaults; shapes without chunked prefill)")
+    p.add_argument("--tokendance-url", default=None)
     args = p.parse_args(argv)
+    if (args.radix_url is None) != (args.tokendance_url is None):
+        p.error("--radix-url and --tokendance-url go together")
     unknown = [s for s in args.shapes.split(",") if s not in SHAPES]
     if unknown:
         p.error(f"unknown shape(s) {', '.join(unknown)}; choose from {', '.join(SHAPES)}")
@@ -203,6 +209,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--repeats must be at least 1")
     if args.num_rounds < 2:
         p.error("--num-rounds must be at least 2: the rounds after the first are compared")
+    chunked = [s for s in args.shapes.split(",") if SHAPES[s].chunked_prefill]
+    if args.radix_url and (chunked or args.model_path):
+        p.error(f"running servers serve their own model without chunked prefill: drop --model-path and "
+                f"{', '.join(chunked) or 'nothing else'}")
     return args
 
 

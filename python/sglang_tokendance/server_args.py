@@ -56,6 +56,12 @@ class TokenDanceArgs:
         16, "Segments shorter than this many tokens are treated as private text."
     )
     max_segments: int = _option(512, "Most segments one prompt may hold (more is a 400 error).")
+    chat_segments: bool = _option(
+        True, "Each /v1/chat/completions message at least --tokendance-min-segment-tokens long is a segment, with no "
+        "markers (found, tokenised alone, in SGLang's own ids of the rendered chat template, whose text stays "
+        "private); a chat holding separators is split at them alone (--no-tokendance-chat-segments: only marked "
+        "text is)."
+    )
 
     recompute_ratio: float = _option(
         0.3, "Share of each request's reused tokens recomputed by the blended prefill (0: plain reuse, "
@@ -135,9 +141,10 @@ class TokenDanceArgs:
         "anyway (from the round's first arrival in the scheduler); requests without a round are never held."
     )
     round_min_shared: int = _option(
-        0, "Infer rounds: a request without a `round` that holds at least this many shared segments joins "
-        "the requests of the last --tokendance-round-window-ms sharing that many with it, held for that window "
-        "(0: rounds are only those clients name)."
+        1, "Infer rounds: a request without a `round` holding at least this many segments shared at a shift (held "
+        "by another waiting prompt at another offset, or cached from another offset) joins the requests of the "
+        "last --tokendance-round-window-ms sharing that many with it, held for that window, and its round is led "
+        "like a named one; a request sharing none is never held (0: rounds are only those clients name)."
     )
     round_leader: bool = _option(
         True, "A released round of two or more requests goes in two steps: its leader (the member holding the most "

@@ -37,6 +37,7 @@ class SegmentEntry:
     slots: torch.Tensor  # one KV-pool slot per token (dense: a copy, K un-rotated; mirror: the author's, as written)
     num_ids: int  # the segment's token ids (an output segment has one slot fewer: its last token has no KV)
     checksum: int  # token_checksum of those ids
+    position: int = 0  # where its first token sat when its KV was computed (elsewhere: read at a shift)
     last_access_time: float = field(default_factory=time.monotonic)
     creation_time: float = field(default_factory=time.monotonic)
     hit_count: int = 0
@@ -66,14 +67,14 @@ class SegmentTable:
     def __contains__(self, key: Hashable) -> bool:
         return key in self.entries
 
-    def insert(self, key: Hashable, slots: torch.Tensor, ids: Sequence[int]) -> SegmentEntry:
-        """Add a new segment holding the KV of `ids` (all of them, or all but the last); the
-        caller checks `in` first (a duplicate is only counted)."""
+    def insert(self, key: Hashable, slots: torch.Tensor, ids: Sequence[int], position: int = 0) -> SegmentEntry:
+        """Add a new segment holding the KV of `ids` (all of them, or all but the last), computed
+        at `position`; the caller checks `in` first (a duplicate is only counted)."""
         if key in self.entries:
             raise KeyError(f"segment {key} is already cached")
         if not len(ids) - 1 <= slots.numel() <= len(ids):
             raise ValueError(f"{slots.numel()} slots cannot hold the KV of {len(ids)} token ids")
-        entry = SegmentEntry(key, slots, len(ids), token_checksum(ids))
+        entry = SegmentEntry(key, slots, len(ids), token_checksum(ids), position)
         self.entries[key] = entry
         self.tokens += len(entry)
         self.inserted += 1
@@ -87,6 +88,11 @@ class SegmentTable:
         """Whether an entry for `key` holds `ids`: a look, nothing counted or touched."""
         entry = self.entries.get(key)
         return entry is not None and entry.holds(ids)
+
+    def position(self, key: Hashable) -> int | None:
+        """Where the Master under `key` was computed (None: none cached): a look."""
+        entry = self.entries.get(key)
+        return None if entry is None else entry.position
 
     def lookup(self, key: Hashable, ids: Sequence[int]) -> SegmentEntry | None:
         """The entry for `key` if it holds `ids`; a mismatching entry is refused (counted)."""

@@ -139,6 +139,38 @@ class Segmenter:
             input_ids.extend(ids)
         return SegmentedPrompt(input_ids, tuple(spans))
 
+    def find_texts(self, input_ids: Sequence[int], texts: Iterable[str]) -> SegmentedPrompt:
+        """The prompt `input_ids` with each of `texts` that it holds, in order, as a segment:
+        chat messages in a rendered template, found without markers.
+
+        Each text is tokenised alone (its hash is then that of the same text marked anywhere
+        else); where the template's text merged a seam token (a trimmed message, a header
+        glued to the first word), the text's tokens inside the seams are the segment. A text
+        the ids do not hold, or shorter than a segment, stays private; the ids are untouched."""
+        haystack = array("q", input_ids).tobytes()
+        spans: list[SegmentSpan] = []
+        cursor = 0
+        for text in texts:
+            if len(spans) == self.max_segments:
+                break
+            found = self._find_text(haystack, text, cursor)
+            if found is not None:
+                start, ids = found
+                spans.append(SegmentSpan(start, start + len(ids), segment_hash(ids, self.model_salt)))
+                cursor = start + len(ids)
+        return SegmentedPrompt(list(input_ids), tuple(spans))
+
+    def _find_text(self, haystack: bytes, text: str, cursor: int) -> tuple[int, list[int]] | None:
+        for variant in dict.fromkeys((text, text.strip())):
+            ids = list(self.tokenizer.encode(variant, add_special_tokens=False))
+            for needle in (ids, ids[1:], ids[:-1], ids[1:-1]):
+                if len(needle) < self.min_segment_tokens:
+                    break
+                start = _find_ids(haystack, needle, cursor)
+                if start is not None:
+                    return start, needle
+        return None
+
     def _piece_ids(self, piece: Piece, specials: bool) -> list[int]:
         if isinstance(piece, str):
             # Only the prompt's start may carry the tokenizer's BOS (if it adds one).
@@ -153,3 +185,13 @@ class Segmenter:
         raise SegmentError(
             f"a segment must be a string or a list of token ids, got {type(piece).__name__}"
         )
+
+
+def _find_ids(haystack: bytes, needle: Sequence[int], start: int) -> int | None:
+    """The first token offset >= `start` where `needle` sits in the ids packed in `haystack`
+    (8 bytes an id: a byte match off that grid is skipped)."""
+    pattern = array("q", needle).tobytes()
+    at = haystack.find(pattern, start * 8)
+    while at != -1 and at % 8:
+        at = haystack.find(pattern, at + 1)
+    return None if at == -1 else at // 8

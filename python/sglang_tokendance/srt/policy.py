@@ -45,8 +45,10 @@ SCHEDULE_POLICY = "sglang.srt.managers.schedule_policy.SchedulePolicy"
 class RoundPolicy:
     """The scheduler process's round groups."""
 
-    def __init__(self, args: TokenDanceArgs, options: Callable[[Any], RequestOptions], clock=time.monotonic):
+    def __init__(self, args: TokenDanceArgs, options: Callable[[Any], RequestOptions], clock=time.monotonic,
+                 cached_at: Callable[[Hashable], int | None] = lambda key: None):
         self.options = options  # each request's options, parsed once (srt/request)
+        self.cached_at = cached_at  # where the Master of a (namespace, hash) was computed (srt/forest), or None
         self.grouper: RoundGrouper[Any] = RoundGrouper(args.round_window_ms / 1000, args.round_min_shared,
                                                        lead=args.round_leader)
         self.clock = clock
@@ -78,16 +80,40 @@ class RoundPolicy:
     def register_arrivals(self, waiting_queue: list) -> None:
         self.grouper.keep_only(waiting_queue)
         now = self.clock()
-        for req in waiting_queue:
-            if self.grouper.knows(req):
-                continue
+        arrivals = [req for req in waiting_queue if not self.grouper.knows(req)]
+        places = self._places(waiting_queue) if arrivals and self.grouper.min_shared > 0 else {}
+        for req in arrivals:
             options = self.options(req)
             if len(req.output_ids) > 0:  # retracted after decoding: never held again
                 self.grouper.arrive(req, namespace_of(req), None, (), now)
                 continue
-            group = self.grouper.arrive(req, namespace_of(req), options.round, options.hashes, now)
+            hashes = options.hashes if options.round is not None else self._shared_at_a_shift(req, options, places)
+            group = self.grouper.arrive(req, namespace_of(req), options.round, hashes, now)
             if group is not None and group.released:  # behind its released round's leader
                 self.metrics.count_late_member()
+
+    def _places(self, waiting_queue: list) -> dict[tuple, set[int]]:
+        """Where each (namespace, segment hash) sits in the prompts waiting to be prefilled."""
+        places: dict[tuple, set[int]] = {}
+        for req in waiting_queue:
+            if not req.output_ids:
+                namespace = namespace_of(req)
+                for span in self.options(req).spans:
+                    places.setdefault((namespace, span.hash), set()).add(span.start)
+        return places
+
+    def _shared_at_a_shift(self, req, options: RequestOptions, places: dict[tuple, set[int]]) -> list[str]:
+        """The segments of an unnamed request that make it a round member (inferred rounds): those
+        another waiting prompt holds at another offset, or whose Master was computed at another
+        offset -- what it would read, or be read for, at a shift. A segment only ever met at
+        its own offset (a chat's history, a prompt sent again) is the tree's, exact: a request
+        holding only such segments shares nothing and is never held."""
+        if self.grouper.min_shared <= 0:
+            return []
+        namespace = namespace_of(req)
+        return [span.hash for span in options.spans
+                if places.get((namespace, span.hash), set()) - {span.start}
+                or self.cached_at((namespace, span.hash)) not in (None, span.start)]
 
     def order(self, result, schedule_policy, waiting_queue: list, *unused, **unused_kw):
         """AFTER hook on SchedulePolicy.calc_priority: released groups stand together."""

@@ -3,9 +3,12 @@
 * /generate, /v1/completions and Engine: text holding separators, or the explicit
   `segments` field of /generate, becomes input_ids tokenised segment by segment
   (core/segments). Plain prompts take SGLang's own path untouched.
-* /v1/chat/completions: when a message holds a separator, the template renders the chat to
-  text (SGLang's own render step, markers intact) and the text is sent on instead of SGLang's
-  ids, so the same splitting applies; the template's own text is private text between segments.
+* /v1/chat/completions: each message long enough to be a segment is one (found, tokenised
+  alone, in SGLang's own ids of the rendered template; the template's text stays private),
+  and the answer is registered as a segment (`register_output`) for the next turns that quote
+  it (--no-tokendance-chat-segments: marked text only). When a message holds a separator, the
+  template renders the chat to text (SGLang's own render step, markers intact) and the text is
+  sent on instead of SGLang's ids, so the markers alone split it, as in a plain prompt.
 * The client's options come from its `tokendance` field, or as JSON text in the string map a
   router passes on (`custom_labels` on /generate, `metadata` on OpenAI requests; srt/request).
 * Offsets and hashes ride to the scheduler inside `sampling_params.custom_params` under a key
@@ -19,7 +22,8 @@ requests are checked earlier, at SGLang's contract gate, so they get a real 400 
 from __future__ import annotations
 
 import json
-from typing import Any
+from dataclasses import replace
+from typing import Any, Sequence
 
 from sglang_tokendance.core.segments import Piece, SegmentError, Segmenter
 from sglang_tokendance.served_model import model_salt_from_env
@@ -103,7 +107,8 @@ async def _generate_request(original, args, tokenizer_manager, obj, request, *re
             options = RequestOptions.from_client(client_options(body), args.mirror_storage)
             strip_router_carrier(obj)
             apply_segments(obj, segments_field=segments, from_chat=chat,
-                           segmenter=segmenter_of(tokenizer_manager, args), options=options)
+                           segmenter=segmenter_of(tokenizer_manager, args), options=options,
+                           messages=chat_message_texts(body) if chat and args.chat_segments and args.kv_enabled else ())
         except SegmentError as e:
             raise ValueError(str(e)) from None
     async for out in original(tokenizer_manager, obj, request, *rest, **kw):
@@ -111,10 +116,12 @@ async def _generate_request(original, args, tokenizer_manager, obj, request, *re
 
 
 def apply_segments(obj, *, segments_field, from_chat: bool, segmenter: Segmenter,
-                   options: RequestOptions = RequestOptions()) -> None:
+                   options: RequestOptions = RequestOptions(), messages: Sequence[str] = ()) -> None:
     """Rewrite a GenerateReqInput in place: segmented prompts become ids + carried spans.
 
-    Chat prompts are rendered templates, which SGLang encodes without added special tokens.
+    Chat prompts are rendered templates, which SGLang encodes without added special tokens;
+    an unmarked one keeps SGLang's ids, its `messages` (their texts) found in them as segments,
+    and registers its answer (n = 1): a framework appending it to the history reuses it.
     `options` (the client's, validated) ride along to the scheduler with every prompt.
     """
     strip_client_carrier(obj)
@@ -128,6 +135,12 @@ def apply_segments(obj, *, segments_field, from_chat: bool, segmenter: Segmenter
         batched = isinstance(texts, list)
         items = texts if batched else [texts]
         if texts is None or not any(isinstance(t, str) and segmenter.has_marker(t) for t in items):
+            if messages and texts is None and _batch_size(obj) is None and isinstance(obj.input_ids, list):
+                found = segmenter.find_texts(obj.input_ids, messages).spans
+                single = (obj.sampling_params or {}).get("n") in (None, 1)
+                _carry(obj, [replace(options.with_spans(found), register_output=options.register_output or single)],
+                       False)
+                return
             if options != RequestOptions():  # a plain prompt keeps SGLang's own path; only the options ride along
                 count = _batch_size(obj)
                 _carry(obj, [options] * (count or 1), count is not None)
@@ -139,6 +152,19 @@ def apply_segments(obj, *, segments_field, from_chat: bool, segmenter: Segmenter
     obj.text = None
     obj.input_ids = [r.input_ids for r in results] if batched else results[0].input_ids
     _carry(obj, [options.with_spans(r.spans) for r in results], batched)
+
+
+def chat_message_texts(body: Any) -> list[str]:
+    """The text of each message of a chat request, in order (a string content, or the text
+    parts of a list of parts)."""
+    messages = body.get("messages") if isinstance(body, dict) else None
+    texts: list[str] = []
+    for message in messages if isinstance(messages, list) else ():
+        content = message.get("content") if isinstance(message, dict) else None
+        parts = [content] if isinstance(content, str) else content if isinstance(content, list) else []
+        texts.extend(p if isinstance(p, str) else p.get("text") for p in parts
+                     if isinstance(p, str) or (isinstance(p, dict) and isinstance(p.get("text"), str)))
+    return texts
 
 
 def strip_client_carrier(obj) -> None:

@@ -26,7 +26,7 @@ from sglang_tokendance.srt.request import RequestOptionsCache
 class SchedulerRuntime:
     def __init__(self, args: TokenDanceArgs):
         self.options = RequestOptionsCache()
-        self.policy = RoundPolicy(args, self.options) if args.kv_enabled else None
+        self.policy = RoundPolicy(args, self.options, cached_at=self.cached_at) if args.kv_enabled else None
         self.forest: forest_module.SegmentForest | None = None
 
     def build_forest(self, ctx) -> forest_module.SegmentForest:
@@ -37,6 +37,10 @@ class SchedulerRuntime:
     def group_key(self, req) -> Hashable | None:
         """The key of the round group SGLang is admitting `req` with (None: no round)."""
         return None if self.policy is None else self.policy.group_key(req)
+
+    def cached_at(self, key: Hashable) -> int | None:
+        """Where the Master cached under `key` was computed (None: none; srt/policy infers rounds)."""
+        return None if self.forest is None else self.forest.segments.position(key)
 
     def leads(self, req) -> bool:
         """Whether SGLang is admitting `req` as its round's leader (srt/policy)."""

@@ -78,13 +78,13 @@ class MasterStorage:
             if length > 0:
                 slots = row[start:start + length].to(torch.int64, copy=True)
                 self.allocator.hold(slots)
-                self.segments.insert(key, slots, ids)
+                self.segments.insert(key, slots, ids, start)
             return 0 if old is None else len(old)
         slots = self._alloc_evicting(length) if length > 0 else None
         if slots is not None:
             positions = torch.arange(start, start + length, device=row.device)
             copy_kv(self.pool, row[start:start + length].to(torch.int64), slots, positions, self.keys.unrotated)
-            self.segments.insert(key, slots, ids)
+            self.segments.insert(key, slots, ids, start)
         return 0 if old is None else len(old)
 
     def _supersede(self, entry: SegmentEntry) -> None:
