@@ -72,3 +72,38 @@ def test_continue_final_message_appends_the_prefix_as_text():
 
     assert _append_prefix_to_text(None, None, "rendered", " Sure,") == "rendered Sure,"
     assert _append_prefix_to_text(lambda chat, ids, prefix: ids + [7], None, [1, 2], "x") == [1, 2, 7]
+
+
+def test_an_unmarked_chats_messages_are_found_in_sglangs_ids_and_its_answer_registered(serving_chat):
+    """No markers: SGLang's ids stay; each message long enough is a segment; the template's text
+    is private; the answer is registered (n = 1). Without messages (--no-tokendance-chat-segments,
+    or --disable-tokendance) the request is SGLang's alone."""
+    from sglang_tokendance.srt.prompt_interface import apply_segments, chat_message_texts, segmenter_of
+    from sglang_tokendance.srt.request import RequestOptions
+
+    tokenizer = serving_chat.tokenizer_manager.tokenizer
+    body = {"messages": [{"role": "system", "content": "You are Mira, the baker of Oakvale, who sold rye bread "
+                                                      "to the mayor yesterday morning."},
+                         {"role": "user", "content": [{"type": "text", "text": "Hi."}]},
+                         {"role": "user", "content": "Tom: The river flooded the old mill last night, so the north "
+                                                     "road is closed until Friday."}]}
+    ids = list(tokenizer.apply_chat_template(body["messages"][:1] + body["messages"][2:], tokenize=True,
+                                             add_generation_prompt=True, return_dict=False))
+    segmenter = segmenter_of(serving_chat.tokenizer_manager, TokenDanceArgs())
+    texts = chat_message_texts(body)
+    assert texts[1] == "Hi." and len(texts) == 3
+
+    def request(n=None):
+        return SimpleNamespace(text=None, input_ids=list(ids), sampling_params={"max_new_tokens": 4, "n": n})
+
+    obj = request()
+    apply_segments(obj, segments_field=None, from_chat=True, segmenter=segmenter, messages=texts)
+    carried = RequestOptions.carried_by(obj.sampling_params["custom_params"])
+    assert obj.input_ids == ids and carried.register_output
+    assert [tokenizer.tokenizer.decode(ids[s.start:s.end]) for s in carried.spans] == [texts[0], texts[2]]
+    sampled = request(n=2)
+    apply_segments(sampled, segments_field=None, from_chat=True, segmenter=segmenter, messages=texts)
+    assert not RequestOptions.carried_by(sampled.sampling_params["custom_params"]).register_output
+    plain = request()
+    apply_segments(plain, segments_field=None, from_chat=True, segmenter=segmenter, messages=())
+    assert "custom_params" not in plain.sampling_params and plain.input_ids == ids

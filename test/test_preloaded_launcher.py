@@ -43,17 +43,19 @@ def test_a_forked_module_gets_its_argv_environment_session_and_log(launcher, tmp
 def test_a_cpu_server_forks_sglangs_subprocesses_only_when_it_sets_no_sglang_settings(launcher, tmp_path):
     """SGLang asks for "spawn"; a server forked for a caller that sets no SGLang settings gets
     "fork" (its scheduler inherits the imports); one whose caller sets some keeps "spawn": SGLang
-    reads some of them when a module is imported (e.g. the scheduler's SGLANG_TEST_RETRACT)."""
+    reads some of them when a module is imported (e.g. the scheduler's SGLANG_TEST_RETRACT), unless
+    it sets only settings read where they are used."""
     (tmp_path / "start_method.py").write_text(
         "import multiprocessing\nmultiprocessing.set_start_method('spawn', force=True)\n"
         "print(multiprocessing.get_start_method())\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     methods = []
-    for extra in ({"SGLANG_TOKENDANCE_CONFIG": "{}"}, {"SGLANG_TEST_RETRACT": "1"}):
+    for extra in ({"SGLANG_TOKENDANCE_CONFIG": "{}"}, {"SGLANG_TEST_RETRACT": "1"},
+                  {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1"}):  # the last read where used
         log = tmp_path / "method.log"
         assert launcher.start("start_method", [], {**env, **extra}, log, may_fork(extra)).wait(timeout=60) == 0
         methods.append(log.read_text().strip())
-    assert methods == ["fork", "spawn"]
+    assert methods == ["fork", "spawn", "fork"]
 
 
 def test_our_launchers_refusal_is_its_exit_status_and_message(launcher, tmp_path):

@@ -56,11 +56,17 @@ def preloaded_launcher() -> PreloadedLauncher:
     return _launcher
 
 
+# SGLang settings read where they are used (`envs.X.get()` in a function), never at import: a
+# forked server sees them as a fresh process would (SGLang 0.5.23's scheduler checks this one per step)
+READ_WHEN_USED = frozenset({"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY"})
+
+
 def may_fork(extra_env: dict[str, str]) -> bool:
     """Whether a preloaded server may fork SGLang's subprocesses (bench/preloaded_launcher): not
-    when its caller sets SGLang settings of its own (`SGLANG_*` but ours), which some SGLang
-    modules read when imported, and the launcher imported them without."""
-    return not any(k.startswith("SGLANG") and not k.startswith("SGLANG_TOKENDANCE_") for k in extra_env)
+    when its caller sets SGLang settings of its own (`SGLANG_*` but ours and READ_WHEN_USED),
+    which some SGLang modules read when imported, and the launcher imported them without."""
+    return not any(k.startswith("SGLANG") and not k.startswith("SGLANG_TOKENDANCE_") and k not in READ_WHEN_USED
+                   for k in extra_env)
 
 
 def free_port() -> int:

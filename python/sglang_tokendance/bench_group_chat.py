@@ -1,0 +1,192 @@
+"""`python -m sglang_tokendance.bench_group_chat`: an unmodified client -- an AutoGen-style group
+chat through /v1/chat/completions, no markers, no names -- against stock radix on the same prompts.
+
+Each agent's request is its own system message (its persona and notes), then the group's
+conversation so far as user messages (every agent's turn, in the order spoken), then a short
+"your turn" message. Stock SGLang answers every round first (each round's requests sent
+together): its answers make the conversation, and its top logprobs are the full prefill every
+other server is compared with. Each TokenDance setting then gets the same prompts, round by
+round, each round sent together. Per setting and round: first-token and content-step KL against
+stock (steps compared while the greedy outputs agree, as bench_quality's server mode does),
+continuations identical to stock's, the segments found and the tokens reused (the server's
+`metadata["tokendance"]`), and the round's latency over stock's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import requests
+from tqdm import tqdm
+
+from sglang_tokendance.bench import report
+from sglang_tokendance.bench.quality_server import truncated_kl
+from sglang_tokendance.bench.server_process import ServerProcess, flush_cache
+from sglang_tokendance.bench.workloads import Simulation, WorkloadConfig, make_simulation
+
+SETTINGS: dict[str, tuple[str, ...]] = {
+    "default": (),  # chat messages as segments, inferred rounds with their leader
+    "no-inferred-rounds": ("--tokendance-round-min-shared", "0"),
+    "no-chat-segments": ("--no-tokendance-chat-segments",),  # today's behaviour before: no reuse without markers
+}
+TIMEOUT = 1800
+
+
+def chat_messages(sim: Simulation, agent: int, conversation: list[str], round_index: int) -> list[dict]:
+    return [{"role": "system", "content": sim.agents[agent].history.strip()},
+            *({"role": "user", "content": turn} for turn in conversation),
+            {"role": "user", "content": f"{sim.agents[agent].name}, it is your turn (round {round_index + 1}). "
+                                        f"Answer in two sentences."}]
+
+
+def ask(url: str, messages: list[dict], max_tokens: int, top: int) -> dict:
+    r = requests.post(url + "/v1/chat/completions", timeout=TIMEOUT, json={
+        "model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+        "logprobs": True, "top_logprobs": top})
+    r.raise_for_status()
+    body = r.json()
+    steps = body["choices"][0]["logprobs"]["content"]
+    return {"text": body["choices"][0]["message"]["content"], "tokens": [s["token"] for s in steps],
+            "tops": [{t["token"]: t["logprob"] for t in s["top_logprobs"]} for s in steps],
+            "prompt_tokens": body["usage"]["prompt_tokens"],
+            "tokendance": (body.get("metadata") or {}).get("tokendance", {})}
+
+
+def send_round(url: str, prompts: list[list[dict]], args: argparse.Namespace) -> tuple[list[dict], float]:
+    start = time.perf_counter()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        answers = list(pool.map(lambda m: ask(url, m, args.max_new_tokens, args.top_logprobs), prompts))
+    return answers, time.perf_counter() - start
+
+
+def compare(answer: dict, reference: dict) -> dict:
+    """KLs against the reference: the first token's, and each later step's while the greedy
+    outputs agree (both sides decoded the same inputs)."""
+    agree = 0
+    while agree < min(len(answer["tokens"]), len(reference["tokens"])) and \
+            answer["tokens"][agree] == reference["tokens"][agree]:
+        agree += 1
+    steps = [truncated_kl(reference["tops"][t], answer["tops"][t])
+             for t in range(1, min(agree + 1, len(answer["tops"]), len(reference["tops"])))]
+    info = answer["tokendance"]
+    return {"first_kl": truncated_kl(reference["tops"][0], answer["tops"][0]), "step_kls": steps,
+            "identical": answer["tokens"] == reference["tokens"], "prompt_tokens": answer["prompt_tokens"],
+            "segments": len(info.get("segments", [])), "segment_hits": info.get("segment_hits", 0),
+            "reused_tokens": info.get("reused_tokens", 0), "recomputed_tokens": info.get("recomputed_tokens", 0)}
+
+
+def reference_rounds(url: str, sim: Simulation, args: argparse.Namespace, progress) -> list[dict]:
+    """Stock's rounds: the prompts, its answers (the conversation), its latency per round."""
+    conversation = [f"{sim.agents[j].name}: {m}" for j, m in enumerate(sim.seed_messages)]
+    rounds = []
+    for r in range(args.num_rounds):
+        prompts = [chat_messages(sim, a, conversation, r) for a in range(len(sim.agents))]
+        answers, seconds = send_round(url, prompts, args)
+        rounds.append({"prompts": prompts, "answers": answers, "seconds": seconds})
+        conversation += [f"{sim.agents[a].name}: {answer['text']}" for a, answer in enumerate(answers)]
+        progress.update(1)
+    return rounds
+
+
+def replay(url: str, setting: str, n: int, rounds: list[dict], args: argparse.Namespace, progress) -> list[dict]:
+    rows = []
+    for r, stock in enumerate(rounds):
+        answers, seconds = send_round(url, stock["prompts"], args)
+        compared = [compare(a, ref) for a, ref in zip(answers, stock["answers"])]
+        steps = [kl for c in compared for kl in c["step_kls"]]
+        rows.append({"type": "round", "setting": setting, "num_agents": n, "round": r,
+                     "first_kl": statistics.fmean(c["first_kl"] for c in compared),
+                     "step_kl": statistics.fmean(steps) if steps else None, "steps_compared": len(steps),
+                     "identical": sum(c["identical"] for c in compared),
+                     "prompt_tokens": sum(c["prompt_tokens"] for c in compared),
+                     **{k: sum(c[k] for c in compared) for k in ("segments", "segment_hits", "reused_tokens",
+                                                                  "recomputed_tokens")},
+                     "seconds": seconds, "seconds_radix": stock["seconds"],
+                     "latency_vs_radix": stock["seconds"] / seconds})
+        progress.update(1)
+    return rows
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    agents = [int(n) for n in args.num_agents.split(",")]
+    sims = {n: make_simulation(WorkloadConfig(num_agents=n, num_rounds=args.num_rounds, history_words=100,
+                                              block_words=60, seed=args.seed)) for n in agents}
+    model = ["--model-path", args.model_path] if args.model_path else []
+    rows: list[dict] = []
+    total = len(agents) * args.num_rounds * (1 + len(args.settings))
+    with tqdm(total=total, desc="group chat rounds", unit="round") as progress:
+        with ServerProcess(model, stock=True) as stock:
+            references = {}
+            for n, sim in sims.items():
+                flush_cache(stock.url)
+                references[n] = reference_rounds(stock.url, sim, args, progress)
+        for setting in args.settings:
+            with ServerProcess([*model, *SETTINGS[setting]]) as server:
+                for n in agents:
+                    flush_cache(server.url)
+                    rows += replay(server.url, setting, n, references[n], args, progress)
+    return rows
+
+
+def plot(path: Path, rows: list[dict]) -> None:
+    def series(key: str) -> dict:
+        return {f"{s}, N={n}": ([r["round"] for r in rows if (r["setting"], r["num_agents"]) == (s, n)],
+                                [r[key] or 0.0 for r in rows if (r["setting"], r["num_agents"]) == (s, n)])
+                for s, n in dict.fromkeys((r["setting"], r["num_agents"]) for r in rows)}
+
+    report.plot_panels(path, "Group chat through the OpenAI API, no markers or names, against stock radix", [
+        report.Panel("content-step KL against stock", "round", "mean truncated KL", series("step_kl")),
+        report.Panel("tokens reused", "round", "tokens", series("reused_tokens")),
+        report.Panel("round latency: stock / setting", "round", "ratio", series("latency_vs_radix"), hline=1.0,
+                     hline_label="stock radix"),
+    ])
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m sglang_tokendance.bench_group_chat", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-agents", default="4,8,16", help="comma-separated group sizes")
+    p.add_argument("--num-rounds", type=int, default=3)
+    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--top-logprobs", type=int, default=10, help="K of the truncated KL")
+    p.add_argument("--settings", default=",".join(SETTINGS), help=f"from {', '.join(SETTINGS)}")
+    p.add_argument("--seed", type=int, default=3)
+    p.add_argument("--model-path", default=None, help="default: the prepared SmolLM2-135M-Instruct")
+    p.add_argument("--output-file", type=Path, default=Path("benchmark/results/group_chat.jsonl"),
+                   help="JSONL; the Markdown summary and the PNG plot are written beside it")
+    p.add_argument("--no-plot", action="store_true")
+    args = p.parse_args(argv)
+    args.settings = args.settings.split(",")
+    unknown = [s for s in args.settings if s not in SETTINGS]
+    if unknown:
+        p.error(f"unknown setting(s) {', '.join(unknown)}; choose from {', '.join(SETTINGS)}")
+    if not all(n.isdigit() and 2 <= int(n) for n in args.num_agents.split(",")):
+        p.error(f"--num-agents must be comma-separated integers >= 2, got {args.num_agents!r}")
+    if args.num_rounds < 1 or args.max_new_tokens < 1 or not 1 <= args.top_logprobs <= 20:
+        p.error("--num-rounds and --max-new-tokens must be >= 1, --top-logprobs in [1, 20]")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    rows = run(args)
+    command = report.command_line("sglang_tokendance.bench_group_chat", argv)
+    report.write_jsonl(args.output_file, [{"type": "meta", "command": command}, *rows])
+    columns = ["setting", "num_agents", "round", "first_kl", "step_kl", "steps_compared", "identical",
+               "prompt_tokens", "segments", "segment_hits", "reused_tokens", "recomputed_tokens", "seconds",
+               "seconds_radix", "latency_vs_radix"]
+    report.write_markdown(args.output_file.with_suffix(".md"), "Group chat, unmodified client, against stock radix",
+                          command, [("Per round (each round's requests sent together)",
+                                     report.markdown_table(rows, columns))])
+    if not args.no_plot:
+        plot(args.output_file.with_suffix(".png"), rows)
+
+
+if __name__ == "__main__":
+    main()
