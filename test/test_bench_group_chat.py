@@ -1,4 +1,4 @@
-"""bench_group_chat: an unmodified OpenAI chat client's group chat against stock radix."""
+"""bench_group_chat: unmodified clients (an OpenAI chat group chat, a plain-text simulation) against stock radix."""
 
 from __future__ import annotations
 
@@ -10,23 +10,27 @@ from sglang_tokendance import bench_group_chat
 
 
 def test_cli_refuses_unknown_settings_and_groups_of_one():
-    for argv in (["--settings", "default,magic"], ["--num-agents", "1"], ["--num-agents", "4,x"],
-                 ["--top-logprobs", "0"]):
+    for argv in (["--settings", "default,magic"], ["--clients", "chat,voice"], ["--num-agents", "1"],
+                 ["--num-agents", "4,x"], ["--top-logprobs", "0"]):
         with pytest.raises(SystemExit):
             bench_group_chat.parse_args(argv)
 
 
 @pytest.mark.slow
-def test_a_chat_client_without_markers_or_names_reuses_the_conversation(tmp_path, tiny_llama):
-    """The agents' prompts hold the same turns after other system messages: by default each turn
-    is a segment, and the round (inferred) reads them at a shift from its leader's exact KV."""
+def test_clients_without_markers_or_names_reuse_the_conversation(tmp_path, tiny_llama):
+    """The agents' prompts hold the same turns after other notes: by default each chat turn is a
+    segment, and a plain-text prompt's content-defined chunks are; the round (inferred) reads
+    them at a shift from its leader's exact KV."""
     out = tmp_path / "chat.jsonl"
     bench_group_chat.main(["--model-path", tiny_llama, "--num-agents", "3", "--num-rounds", "2",
                            "--max-new-tokens", "4", "--settings", "default", "--output-file", str(out)])
-    rows = {r["round"]: r for r in map(json.loads, out.read_text().splitlines()) if r["type"] == "round"}
-    assert set(rows) == {0, 1} and all(row["setting"] == "default" for row in rows.values())
-    assert rows[0]["segments"] >= 3 * 4  # each agent: its system message and the three seed turns
-    assert rows[0]["reused_tokens"] > 0 and rows[0]["segment_hits"] > 0
+    rows = {(r["client"], r["round"]): r for r in map(json.loads, out.read_text().splitlines()) if r["type"] == "round"}
+    assert set(rows) == {(c, r) for c in ("chat", "text") for r in (0, 1)}
+    assert all(row["setting"] == "default" for row in rows.values())
+    assert rows["chat", 0]["segments"] >= 3 * 4  # each agent: its system message and the three seed turns
+    assert rows["text", 0]["segments"] >= 3 * 4  # each seed turn is several chunks
+    for client in ("chat", "text"):
+        assert rows[client, 0]["reused_tokens"] > 0 and rows[client, 0]["segment_hits"] > 0
     assert all(row["first_kl"] >= 0 and row["seconds"] > 0 and row["identical"] <= 3 for row in rows.values())
-    assert out.with_suffix(".md").read_text().count("| default |") == 2
+    assert out.with_suffix(".md").read_text().count("| default |") == 4
     assert out.with_suffix(".png").stat().st_size > 1000

@@ -85,9 +85,8 @@ def test_every_shape_serves_at_least_radixs_exact_tokens(tmp_path, tiny_llama):
             continue
         assert row["last_round_exact_tokens"] + row["last_round_kept_tokens"] >= \
             row["last_round_exact_tokens_radix"] > 0, shape
-    assert rows["unmarked"]["exact_tokens"] == rows["unmarked"]["exact_tokens_radix"]  # every round: stock's path
-    assert rows["unmarked"]["approximate_tokens"] == rows["unmarked"]["kept_tokens"] == 0
-    assert rows["all-gather"]["approximate_tokens"] > 0  # the shape reuses, and loses no exact token at the end
+    # the shapes reuse (unmarked prompts: their content-defined chunks), and lose no exact token at the end
+    assert rows["all-gather"]["approximate_tokens"] > 0 and rows["unmarked"]["approximate_tokens"] > 0
     assert out.with_suffix(".md").exists() and out.with_suffix(".png").stat().st_size > 0
 
 

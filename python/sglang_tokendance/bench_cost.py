@@ -96,7 +96,7 @@ def run_case(url: str, mode: Mode, case: Case) -> Sample:
         generate(url, case.author, mode)
     seconds, meta = generate(url, case.reader, mode)
     info = meta.get("tokendance") or {}
-    spans = info.get("segments", [])
+    spans = info.get("segments", []) if case.author else []  # an unmarked reader's content chunks are no block
     return Sample(mode.name, case.words, case.share, case.repeat, seconds, meta["prompt_tokens"],
                   sum(s["end"] - s["start"] for s in spans), spans[0]["start"] if spans else 0,
                   info.get("reused_tokens", 0), info.get("recomputed_tokens", 0), info.get("cost_fallback_tokens", 0))

@@ -1,15 +1,18 @@
-"""`python -m sglang_tokendance.bench_group_chat`: an unmodified client -- an AutoGen-style group
-chat through /v1/chat/completions, no markers, no names -- against stock radix on the same prompts.
+"""`python -m sglang_tokendance.bench_group_chat`: unmodified clients -- no markers, no names --
+against stock radix on the same prompts.
 
-Each agent's request is its own system message (its persona and notes), then the group's
+Two client shapes. `chat`: an AutoGen-style group chat through /v1/chat/completions: each
+agent's request is its own system message (its persona and notes), then the group's
 conversation so far as user messages (every agent's turn, in the order spoken), then a short
-"your turn" message. Stock SGLang answers every round first (each round's requests sent
-together): its answers make the conversation, and its top logprobs are the full prefill every
-other server is compared with. Each TokenDance setting then gets the same prompts, round by
-round, each round sent together. Per setting and round: first-token and content-step KL against
-stock (steps compared while the greedy outputs agree, as bench_quality's server mode does),
-continuations identical to stock's, the segments found and the tokens reused (the server's
-`metadata["tokendance"]`), and the round's latency over stock's.
+"your turn" message. `text`: a plain-text simulation through /v1/completions: the same notes,
+conversation and turn concatenated into one prompt. Stock SGLang answers every round first
+(each round's requests sent together): its answers make the conversation, and its top logprobs
+are the full prefill every other server is compared with. Each TokenDance setting then gets the
+same prompts, round by round, each round sent together. Per client, setting and round:
+first-token and content-step KL against stock (steps compared while the greedy outputs agree,
+as bench_quality's server mode does), continuations identical to stock's, the segments found
+and the tokens reused (the server's `metadata["tokendance"]`), and the round's latency over
+stock's.
 """
 
 from __future__ import annotations
@@ -30,9 +33,10 @@ from sglang_tokendance.bench.server_process import ServerProcess, flush_cache
 from sglang_tokendance.bench.workloads import Simulation, WorkloadConfig, make_simulation
 
 SETTINGS: dict[str, tuple[str, ...]] = {
-    "default": (),  # chat messages as segments, inferred rounds with their leader
+    "default": (),  # chat messages and content-defined chunks as segments, inferred rounds with their leader
     "no-inferred-rounds": ("--tokendance-round-min-shared", "0"),
-    "no-chat-segments": ("--no-tokendance-chat-segments",),  # today's behaviour before: no reuse without markers
+    "no-chat-segments": ("--no-tokendance-chat-segments",),  # a chat's reuse before: none without markers
+    "no-content-chunks": ("--tokendance-content-chunks", "0"),  # a plain prompt's reuse before: none
 }
 TIMEOUT = 1800
 
@@ -44,7 +48,12 @@ def chat_messages(sim: Simulation, agent: int, conversation: list[str], round_in
                                         f"Answer in two sentences."}]
 
 
-def ask(url: str, messages: list[dict], max_tokens: int, top: int) -> dict:
+def text_prompt(sim: Simulation, agent: int, conversation: list[str], round_index: int) -> str:
+    """The plain-text simulation: the chat's messages concatenated, as a simulation loop would."""
+    return "\n\n".join(m["content"] for m in chat_messages(sim, agent, conversation, round_index)) + "\n\nAnswer:"
+
+
+def ask_chat(url: str, messages: list[dict], max_tokens: int, top: int) -> dict:
     r = requests.post(url + "/v1/chat/completions", timeout=TIMEOUT, json={
         "model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
         "logprobs": True, "top_logprobs": top})
@@ -57,7 +66,22 @@ def ask(url: str, messages: list[dict], max_tokens: int, top: int) -> dict:
             "tokendance": (body.get("metadata") or {}).get("tokendance", {})}
 
 
-def send_round(url: str, prompts: list[list[dict]], args: argparse.Namespace) -> tuple[list[dict], float]:
+def ask_text(url: str, prompt: str, max_tokens: int, top: int) -> dict:
+    r = requests.post(url + "/v1/completions", timeout=TIMEOUT, json={
+        "model": "default", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": top})
+    r.raise_for_status()
+    body = r.json()
+    logprobs = body["choices"][0]["logprobs"]
+    return {"text": body["choices"][0]["text"], "tokens": logprobs["tokens"], "tops": logprobs["top_logprobs"],
+            "prompt_tokens": body["usage"]["prompt_tokens"],
+            "tokendance": (body.get("metadata") or {}).get("tokendance", {})}
+
+
+CLIENTS = {"chat": (chat_messages, ask_chat), "text": (text_prompt, ask_text)}
+
+
+def send_round(url: str, client: str, prompts: list, args: argparse.Namespace) -> tuple[list[dict], float]:
+    ask = CLIENTS[client][1]
     start = time.perf_counter()
     with ThreadPoolExecutor(len(prompts)) as pool:
         answers = list(pool.map(lambda m: ask(url, m, args.max_new_tokens, args.top_logprobs), prompts))
@@ -80,26 +104,27 @@ def compare(answer: dict, reference: dict) -> dict:
             "reused_tokens": info.get("reused_tokens", 0), "recomputed_tokens": info.get("recomputed_tokens", 0)}
 
 
-def reference_rounds(url: str, sim: Simulation, args: argparse.Namespace, progress) -> list[dict]:
+def reference_rounds(url: str, client: str, sim: Simulation, args: argparse.Namespace, progress) -> list[dict]:
     """Stock's rounds: the prompts, its answers (the conversation), its latency per round."""
     conversation = [f"{sim.agents[j].name}: {m}" for j, m in enumerate(sim.seed_messages)]
     rounds = []
     for r in range(args.num_rounds):
-        prompts = [chat_messages(sim, a, conversation, r) for a in range(len(sim.agents))]
-        answers, seconds = send_round(url, prompts, args)
+        prompts = [CLIENTS[client][0](sim, a, conversation, r) for a in range(len(sim.agents))]
+        answers, seconds = send_round(url, client, prompts, args)
         rounds.append({"prompts": prompts, "answers": answers, "seconds": seconds})
         conversation += [f"{sim.agents[a].name}: {answer['text']}" for a, answer in enumerate(answers)]
         progress.update(1)
     return rounds
 
 
-def replay(url: str, setting: str, n: int, rounds: list[dict], args: argparse.Namespace, progress) -> list[dict]:
+def replay(url: str, client: str, setting: str, n: int, rounds: list[dict], args: argparse.Namespace,
+           progress) -> list[dict]:
     rows = []
     for r, stock in enumerate(rounds):
-        answers, seconds = send_round(url, stock["prompts"], args)
+        answers, seconds = send_round(url, client, stock["prompts"], args)
         compared = [compare(a, ref) for a, ref in zip(answers, stock["answers"])]
         steps = [kl for c in compared for kl in c["step_kls"]]
-        rows.append({"type": "round", "setting": setting, "num_agents": n, "round": r,
+        rows.append({"type": "round", "client": client, "setting": setting, "num_agents": n, "round": r,
                      "first_kl": statistics.fmean(c["first_kl"] for c in compared),
                      "step_kl": statistics.fmean(steps) if steps else None, "steps_compared": len(steps),
                      "identical": sum(c["identical"] for c in compared),
@@ -118,28 +143,30 @@ def run(args: argparse.Namespace) -> list[dict]:
                                               block_words=60, seed=args.seed)) for n in agents}
     model = ["--model-path", args.model_path] if args.model_path else []
     rows: list[dict] = []
-    total = len(agents) * args.num_rounds * (1 + len(args.settings))
+    runs = [(client, n) for client in args.clients for n in agents]
+    total = len(runs) * args.num_rounds * (1 + len(args.settings))
     with tqdm(total=total, desc="group chat rounds", unit="round") as progress:
         with ServerProcess(model, stock=True) as stock:
             references = {}
-            for n, sim in sims.items():
+            for client, n in runs:
                 flush_cache(stock.url)
-                references[n] = reference_rounds(stock.url, sim, args, progress)
+                references[client, n] = reference_rounds(stock.url, client, sims[n], args, progress)
         for setting in args.settings:
             with ServerProcess([*model, *SETTINGS[setting]]) as server:
-                for n in agents:
+                for client, n in runs:
                     flush_cache(server.url)
-                    rows += replay(server.url, setting, n, references[n], args, progress)
+                    rows += replay(server.url, client, setting, n, references[client, n], args, progress)
     return rows
 
 
 def plot(path: Path, rows: list[dict]) -> None:
     def series(key: str) -> dict:
-        return {f"{s}, N={n}": ([r["round"] for r in rows if (r["setting"], r["num_agents"]) == (s, n)],
-                                [r[key] or 0.0 for r in rows if (r["setting"], r["num_agents"]) == (s, n)])
-                for s, n in dict.fromkeys((r["setting"], r["num_agents"]) for r in rows)}
+        def of(run):
+            return [r for r in rows if (r["client"], r["setting"], r["num_agents"]) == run]
+        return {f"{c} {s}, N={n}": ([r["round"] for r in of((c, s, n))], [r[key] or 0.0 for r in of((c, s, n))])
+                for c, s, n in dict.fromkeys((r["client"], r["setting"], r["num_agents"]) for r in rows)}
 
-    report.plot_panels(path, "Group chat through the OpenAI API, no markers or names, against stock radix", [
+    report.plot_panels(path, "Unmodified clients (no markers or names) against stock radix", [
         report.Panel("content-step KL against stock", "round", "mean truncated KL", series("step_kl")),
         report.Panel("tokens reused", "round", "tokens", series("reused_tokens")),
         report.Panel("round latency: stock / setting", "round", "ratio", series("latency_vs_radix"), hline=1.0,
@@ -154,6 +181,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--num-rounds", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--top-logprobs", type=int, default=10, help="K of the truncated KL")
+    p.add_argument("--clients", default=",".join(CLIENTS), help=f"from {', '.join(CLIENTS)}")
     p.add_argument("--settings", default=",".join(SETTINGS), help=f"from {', '.join(SETTINGS)}")
     p.add_argument("--seed", type=int, default=3)
     p.add_argument("--model-path", default=None, help="default: the prepared SmolLM2-135M-Instruct")
@@ -161,10 +189,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="JSONL; the Markdown summary and the PNG plot are written beside it")
     p.add_argument("--no-plot", action="store_true")
     args = p.parse_args(argv)
-    args.settings = args.settings.split(",")
-    unknown = [s for s in args.settings if s not in SETTINGS]
-    if unknown:
-        p.error(f"unknown setting(s) {', '.join(unknown)}; choose from {', '.join(SETTINGS)}")
+    args.settings, args.clients = args.settings.split(","), args.clients.split(",")
+    for name, given, known in (("setting", args.settings, SETTINGS), ("client", args.clients, CLIENTS)):
+        unknown = [s for s in given if s not in known]
+        if unknown:
+            p.error(f"unknown {name}(s) {', '.join(unknown)}; choose from {', '.join(known)}")
     if not all(n.isdigit() and 2 <= int(n) for n in args.num_agents.split(",")):
         p.error(f"--num-agents must be comma-separated integers >= 2, got {args.num_agents!r}")
     if args.num_rounds < 1 or args.max_new_tokens < 1 or not 1 <= args.top_logprobs <= 20:
@@ -178,10 +207,10 @@ def main(argv: list[str] | None = None) -> None:
     rows = run(args)
     command = report.command_line("sglang_tokendance.bench_group_chat", argv)
     report.write_jsonl(args.output_file, [{"type": "meta", "command": command}, *rows])
-    columns = ["setting", "num_agents", "round", "first_kl", "step_kl", "steps_compared", "identical",
+    columns = ["client", "setting", "num_agents", "round", "first_kl", "step_kl", "steps_compared", "identical",
                "prompt_tokens", "segments", "segment_hits", "reused_tokens", "recomputed_tokens", "seconds",
                "seconds_radix", "latency_vs_radix"]
-    report.write_markdown(args.output_file.with_suffix(".md"), "Group chat, unmodified client, against stock radix",
+    report.write_markdown(args.output_file.with_suffix(".md"), "Unmodified clients against stock radix",
                           command, [("Per round (each round's requests sent together)",
                                      report.markdown_table(rows, columns))])
     if not args.no_plot:

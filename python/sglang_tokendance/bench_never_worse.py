@@ -17,7 +17,7 @@ Shapes:
   all-gather     every agent's prompt: its private history, then every agent's message in its own order
   static         a static briefing after each agent's private notes, recurring every round (debate preset)
   conversation   each prompt extends the agent's previous prompt and answer (a growing transcript)
-  unmarked       all-gather prompts sent without separators: nothing for TokenDance to reuse
+  unmarked       all-gather prompts sent without separators: found by their content-defined chunks
   chunked        all-gather with both servers at --chunked-prefill-size 128
   static-cached  static, with round 0's blocks cached before it (by another simulation or earlier
                  requests): round 0 reads them approximately, so round 1 is the round after an

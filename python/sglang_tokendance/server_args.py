@@ -17,11 +17,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from sglang_tokendance.core.blend import GROUP_SELECTIONS, BlendOptions
+from sglang_tokendance.core.content_chunks import ChunkRule
 from sglang_tokendance.core.segments import DEFAULT_SEPARATOR
 from sglang_tokendance.core.selection import GRANULARITIES, RULES
 
 SELECTION_RULES = tuple(RULES)
 STORAGES = ("auto", "dense", "mirror")
+DEFAULT_CHUNK_SPACING = 8  # --tokendance-content-chunks -1 under mirror storage (benchmark/results/content_chunks.md)
 
 ENV_VAR = "SGLANG_TOKENDANCE_CONFIG"
 FOREST_BACKEND = "tokendance"  # the radix-cache backend name of srt/forest.py
@@ -61,6 +63,15 @@ class TokenDanceArgs:
         "markers (found, tokenised alone, in SGLang's own ids of the rendered chat template, whose text stays "
         "private); a chat holding separators is split at them alone (--no-tokendance-chat-segments: only marked "
         "text is)."
+    )
+
+    content_chunks: int = _option(
+        -1, "Find shared text in /generate and /v1/completions prompts that hold no separators: each is cut into "
+        "content-defined chunks (a cut after a token where a hash of the two tokens ending there falls in a 1-in-N "
+        "bucket, chunks at least --tokendance-min-segment-tokens long), each a segment found wherever the same text "
+        "sits. N, a power of two: chunks are about N + --tokendance-min-segment-tokens long; 0: off; -1: 8 under "
+        "mirror storage (a chunk's Master is a reference on its author's slots), off under dense storage (where each "
+        "would be a copy of every prompt's KV)."
     )
 
     recompute_ratio: float = _option(
@@ -184,6 +195,9 @@ class TokenDanceArgs:
             if getattr(self, name) not in choices:
                 raise TokenDanceArgsError(
                     flag_of(_field(name)), f"must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
+        if self.content_chunks > 0 and self.content_chunks & (self.content_chunks - 1):
+            raise TokenDanceArgsError(flag_of(_field("content_chunks")),
+                                      f"must be a power of two, 0 or -1, got {self.content_chunks}")
         if self.group_probe and self.group_selection != "aligned":
             raise TokenDanceArgsError(flag_of(_field("group_probe")), "members adopt their group's kept set, which "
                                       "needs --tokendance-group-selection aligned")
@@ -264,6 +278,17 @@ class TokenDanceArgs:
         backends = {get(name) for name in ATTENTION_BACKEND_FIELDS} - {None, ATTENTION_BACKEND}
         mirror = on_cpu and self.kv_enabled and self.sparse_writeback and not backends and not get("kv_events_config")
         return dataclasses.replace(self, storage="mirror" if mirror else "dense")
+
+    @property
+    def chunk_rule(self) -> ChunkRule | None:
+        """How unmarked /generate and /v1/completions prompts are cut into segments (None: they are not)."""
+        spacing = self.content_chunks
+        if spacing < 0:
+            spacing = DEFAULT_CHUNK_SPACING if self.mirror_storage else 0
+        if not spacing or not self.kv_enabled:
+            return None
+        return ChunkRule(min_tokens=self.min_segment_tokens, spacing=spacing, window=min(2, self.min_segment_tokens),
+                         max_tokens=max(256, self.min_segment_tokens))
 
     @property
     def approximate_budget(self) -> int | None:
@@ -402,7 +427,8 @@ def tokendance_info(args: TokenDanceArgs) -> dict[str, Any]:
 
 _TYPES = {"bool": bool, "int": int, "float": float, "str": str}
 _RANGES = {  # field -> (lowest, highest or None) allowed value
-    "min_segment_tokens": (1, None), "max_segments": (1, None), "check_layer": (1, None), "block_size": (1, None),
+    "min_segment_tokens": (1, None), "content_chunks": (-1, None),
+    "max_segments": (1, None), "check_layer": (1, None), "block_size": (1, None),
     "block_head_tokens": (0, None), "screen_layer": (0, None), "screen_factor": (1, None), "recompute_ratio": (0, 1),
     "max_approximate_tokens": (-1, None), "diff_threshold": (0, None),
     "round_window_ms": (0, 60_000), "round_min_shared": (0, None), "group_probe": (0, None),

@@ -17,6 +17,8 @@ from array import array
 from dataclasses import dataclass
 from typing import Iterable, Protocol, Sequence, Union
 
+from sglang_tokendance.core.content_chunks import ChunkRule
+
 DEFAULT_SEPARATOR = "<|tokendance_sep|>"
 
 Piece = Union[str, Sequence[int]]
@@ -159,6 +161,14 @@ class Segmenter:
                 spans.append(SegmentSpan(start, start + len(ids), segment_hash(ids, self.model_salt)))
                 cursor = start + len(ids)
         return SegmentedPrompt(list(input_ids), tuple(spans))
+
+    def content_chunks(self, input_ids: Sequence[int], rule: ChunkRule) -> SegmentedPrompt:
+        """The prompt `input_ids` with its content-defined chunks (core/content_chunks) as
+        segments: shared text found without markers. Chunks shorter than a segment, and any
+        past --tokendance-max-segments, stay private; the ids are untouched."""
+        spans = tuple(SegmentSpan(start, end, segment_hash(input_ids[start:end], self.model_salt))
+                      for start, end in rule.chunks(input_ids) if end - start >= self.min_segment_tokens)
+        return SegmentedPrompt(list(input_ids), spans[:self.max_segments])
 
     def _find_text(self, haystack: bytes, text: str, cursor: int) -> tuple[int, list[int]] | None:
         for variant in dict.fromkeys((text, text.strip())):

@@ -2,7 +2,9 @@
 
 * /generate, /v1/completions and Engine: text holding separators, or the explicit
   `segments` field of /generate, becomes input_ids tokenised segment by segment
-  (core/segments). Plain prompts take SGLang's own path untouched.
+  (core/segments). Plain prompts take SGLang's own path and ids; once SGLang has tokenised
+  one, its content-defined chunks (core/content_chunks) are its segments
+  (--tokendance-content-chunks), so text shared at any offset is found without markers.
 * /v1/chat/completions: each message long enough to be a segment is one (found, tokenised
   alone, in SGLang's own ids of the rendered template; the template's text stays private),
   and the answer is registered as a segment (`register_output`) for the next turns that quote
@@ -25,6 +27,7 @@ import json
 from dataclasses import replace
 from typing import Any, Sequence
 
+from sglang_tokendance.core.content_chunks import ChunkRule
 from sglang_tokendance.core.segments import Piece, SegmentError, Segmenter
 from sglang_tokendance.served_model import model_salt_from_env
 from sglang_tokendance.server_args import TokenDanceArgs
@@ -38,8 +41,16 @@ SERVING_CHAT = "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat"
 def register(args: TokenDanceArgs) -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    rule = args.chunk_rule
+
     def generate_request(original, self, obj, request=None, *rest, **kw):
         return _generate_request(original, args, self, obj, request, *rest, **kw)
+
+    def validate_prompt(original, self, obj, input_ids, *rest, **kw):
+        result = refuse_unservable_prompt(original, self, obj, input_ids, *rest, **kw)
+        if rule is not None:
+            cut_content_chunks(obj, input_ids, segmenter_of(self, args), rule)
+        return result
 
     def contract_error(result, body, *rest, **kw):
         return result if result is not None else _streaming_contract_error(args, body)
@@ -49,7 +60,7 @@ def register(args: TokenDanceArgs) -> None:
 
     HookRegistry.register(f"{TOKENIZER_MANAGER}.generate_request", generate_request, HookType.AROUND)
     HookRegistry.register(f"{TOKENIZER_MANAGER}._wait_one_response", _wait_one_response, HookType.AROUND)
-    HookRegistry.register(f"{TOKENIZER_MANAGER}._validate_one_request", refuse_unservable_prompt, HookType.AROUND)
+    HookRegistry.register(f"{TOKENIZER_MANAGER}._validate_one_request", validate_prompt, HookType.AROUND)
     HookRegistry.register(f"{SERVING_CHAT}._render_and_encode_chat_template", render_marked_chat, HookType.AROUND)
     HookRegistry.register(f"{SERVING_CHAT}._append_assistant_prefix_to_prompt_ids", _append_prefix_to_text,
                           HookType.AROUND)
@@ -108,7 +119,8 @@ async def _generate_request(original, args, tokenizer_manager, obj, request, *re
             strip_router_carrier(obj)
             apply_segments(obj, segments_field=segments, from_chat=chat,
                            segmenter=segmenter_of(tokenizer_manager, args), options=options,
-                           messages=chat_message_texts(body) if chat and args.chat_segments and args.kv_enabled else ())
+                           messages=chat_message_texts(body) if chat and args.chat_segments and args.kv_enabled else (),
+                           find_chunks=args.chunk_rule is not None and not chat and not _multimodal(obj))
         except SegmentError as e:
             raise ValueError(str(e)) from None
     async for out in original(tokenizer_manager, obj, request, *rest, **kw):
@@ -116,12 +128,15 @@ async def _generate_request(original, args, tokenizer_manager, obj, request, *re
 
 
 def apply_segments(obj, *, segments_field, from_chat: bool, segmenter: Segmenter,
-                   options: RequestOptions = RequestOptions(), messages: Sequence[str] = ()) -> None:
+                   options: RequestOptions = RequestOptions(), messages: Sequence[str] = (),
+                   find_chunks: bool = False) -> None:
     """Rewrite a GenerateReqInput in place: segmented prompts become ids + carried spans.
 
     Chat prompts are rendered templates, which SGLang encodes without added special tokens;
     an unmarked one keeps SGLang's ids, its `messages` (their texts) found in them as segments,
     and registers its answer (n = 1): a framework appending it to the history reuses it.
+    Other unmarked prompts keep SGLang's path; with `find_chunks`, each is marked to be cut
+    into content-defined chunks once SGLang has its ids (`cut_content_chunks`).
     `options` (the client's, validated) ride along to the scheduler with every prompt.
     """
     strip_client_carrier(obj)
@@ -141,6 +156,8 @@ def apply_segments(obj, *, segments_field, from_chat: bool, segmenter: Segmenter
                 _carry(obj, [replace(options.with_spans(found), register_output=options.register_output or single)],
                        False)
                 return
+            if find_chunks:
+                options = replace(options, find_chunks=True)
             if options != RequestOptions():  # a plain prompt keeps SGLang's own path; only the options ride along
                 count = _batch_size(obj)
                 _carry(obj, [options] * (count or 1), count is not None)
@@ -152,6 +169,23 @@ def apply_segments(obj, *, segments_field, from_chat: bool, segmenter: Segmenter
     obj.text = None
     obj.input_ids = [r.input_ids for r in results] if batched else results[0].input_ids
     _carry(obj, [options.with_spans(r.spans) for r in results], batched)
+
+
+def cut_content_chunks(obj, input_ids: Sequence[int], segmenter: Segmenter, rule: ChunkRule) -> None:
+    """After SGLang tokenised a prompt marked `find_chunks`: its content-defined chunks become
+    its carried segments (in its own sampling_params copy, made by `_carry`)."""
+    params = obj.sampling_params
+    custom = params.get("custom_params") if isinstance(params, dict) else None
+    options = RequestOptions.carried_by(custom)
+    if options.find_chunks and input_ids is not None:
+        spans = segmenter.content_chunks(input_ids, rule).spans
+        custom[CARRIER_KEY] = json.dumps(replace(options, spans=spans, find_chunks=False).payload())
+
+
+def _multimodal(obj) -> bool:
+    """Image, video or audio placeholders stand for content their ids do not hold."""
+    return any(getattr(obj, field, None) is not None for field in ("image_data", "video_data", "audio_data",
+                                                                    "input_embeds"))
 
 
 def chat_message_texts(body: Any) -> list[str]:

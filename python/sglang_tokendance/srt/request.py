@@ -38,13 +38,15 @@ class RequestOptions:
     hashes) and its client's options. `round`: the multi-agent round it belongs to (None: no
     round); `agent`: keep the finished row's KV for this agent's next prompt (mirror storage);
     `max_approximate_tokens`: its fidelity budget, in place of --tokendance-max-approximate-tokens
-    (None: the server's)."""
+    (None: the server's). `find_chunks`: an unmarked prompt whose segments are its content-defined
+    chunks, cut once its ids are final (srt/prompt_interface); never in the scheduler."""
 
     spans: tuple[SegmentSpan, ...] = ()
     register_output: bool = False
     round: RoundTag | None = None
     agent: str | None = None
     max_approximate_tokens: int | None = None
+    find_chunks: bool = False
 
     @property
     def concerns_tokendance(self) -> bool:
@@ -91,7 +93,7 @@ class RequestOptions:
         spans = tuple(SegmentSpan(**span) for span in payload.get("segments", ()))
         tag = RoundTag(payload["round"], payload.get("round_size")) if "round" in payload else None
         return cls(spans, bool(payload.get("register_output")), tag, payload.get("agent"),
-                   payload.get("max_approximate_tokens"))
+                   payload.get("max_approximate_tokens"), bool(payload.get("find_chunks")))
 
     @classmethod
     def carried_by(cls, custom_params: dict | None) -> "RequestOptions":
@@ -115,6 +117,8 @@ class RequestOptions:
             payload["agent"] = self.agent
         if self.max_approximate_tokens is not None:
             payload["max_approximate_tokens"] = self.max_approximate_tokens
+        if self.find_chunks:
+            payload["find_chunks"] = True
         return payload
 
 
