@@ -49,8 +49,10 @@ def chat_messages(sim: Simulation, agent: int, conversation: list[str], round_in
 
 
 def text_prompt(sim: Simulation, agent: int, conversation: list[str], round_index: int) -> str:
-    """The plain-text simulation: the chat's messages concatenated, as a simulation loop would."""
-    return "\n\n".join(m["content"] for m in chat_messages(sim, agent, conversation, round_index)) + "\n\nAnswer:"
+    """The plain-text simulation: the chat's messages concatenated, as a simulation loop would,
+    ending where the agent's turn begins ("Name:")."""
+    messages = chat_messages(sim, agent, conversation, round_index)
+    return "\n\n".join(m["content"] for m in messages) + f"\n\n{sim.agents[agent].name}:"
 
 
 def ask_chat(url: str, messages: list[dict], max_tokens: int, top: int) -> dict:
