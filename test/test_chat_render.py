@@ -107,3 +107,35 @@ def test_an_unmarked_chats_messages_are_found_in_sglangs_ids_and_its_answer_regi
     plain = request()
     apply_segments(plain, segments_field=None, from_chat=True, segmenter=segmenter, messages=())
     assert "custom_params" not in plain.sampling_params and plain.input_ids == ids
+
+
+def test_an_unmarked_plain_prompt_gets_its_content_chunks_once_sglang_has_its_ids(serving_chat):
+    """/generate and /v1/completions without markers keep SGLang's path; each prompt of a batch
+    is marked `find_chunks` in its own sampling params, and SGLang's ids, once known, are cut
+    into content-defined chunks that become its spans. Off (`chunk_rule` None): nothing rides."""
+    from sglang_tokendance.srt.prompt_interface import apply_segments, cut_content_chunks, segmenter_of
+    from sglang_tokendance.srt.request import RequestOptions
+
+    tokenizer = serving_chat.tokenizer_manager.tokenizer
+    args = TokenDanceArgs(storage="mirror")
+    segmenter = segmenter_of(serving_chat.tokenizer_manager, args)
+    shared = " ".join(f"On day {d} the ferry to the island left at {d + 6} in the morning." for d in range(8))
+    texts = [f"You are Mira the baker. {shared} What now?", f"Tom, the miller, speaks first today. {shared} Go."]
+    obj = SimpleNamespace(text=list(texts), input_ids=None, sampling_params={"max_new_tokens": 4})
+    apply_segments(obj, segments_field=None, from_chat=False, segmenter=segmenter, find_chunks=True)
+    assert obj.text == texts and obj.input_ids is None  # SGLang tokenises them, as for any plain prompt
+    spans = []
+    for text, params in zip(texts, obj.sampling_params):
+        ids = tokenizer.tokenizer(text)["input_ids"]  # as SGLang tokenises a plain prompt
+        assert RequestOptions.carried_by(params["custom_params"]).find_chunks
+        cut_content_chunks(SimpleNamespace(sampling_params=params), ids, segmenter, args.chunk_rule)
+        carried = RequestOptions.carried_by(params["custom_params"])
+        assert not carried.find_chunks and carried.spans
+        assert carried.spans == segmenter.content_chunks(ids, args.chunk_rule).spans
+        spans.append({span.hash for span in carried.spans})
+    assert spans[0] & spans[1]  # the shared text's chunks have the same hashes at both offsets
+    assert TokenDanceArgs(storage="dense").chunk_rule is None and TokenDanceArgs(content_chunks=0).chunk_rule is None
+    assert TokenDanceArgs(storage="dense", content_chunks=16).chunk_rule.spacing == 16
+    plain = SimpleNamespace(text=texts[0], input_ids=None, sampling_params={"max_new_tokens": 4})
+    apply_segments(plain, segments_field=None, from_chat=False, segmenter=segmenter)
+    assert "custom_params" not in plain.sampling_params
