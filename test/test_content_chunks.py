@@ -4,7 +4,7 @@ the same chunks wherever it sits (core/content_chunks, Segmenter.content_chunks)
 import random
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from sglang_tokendance.core.content_chunks import ChunkRule
@@ -26,6 +26,7 @@ def test_chunks_cover_the_prompt_within_their_bounds(prompt):
 
 @settings(max_examples=60, deadline=None)
 @given(ids, ids, ids)
+@example([], [5], [0, 0])  # a prompt of exactly one window has its candidate too
 def test_cut_candidates_depend_on_content_alone(before_a, before_b, shared):
     """Past `window` tokens into the shared text, both prompts have the same candidates there."""
     a, b = before_a + shared, before_b + shared

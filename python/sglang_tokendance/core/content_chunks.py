@@ -43,7 +43,7 @@ class ChunkRule:
     def cuts(self, ids: Sequence[int]) -> np.ndarray:
         """Offsets i (1 <= i < len) where a chunk may end before token i, by content alone."""
         n = len(ids)
-        if n <= self.window:
+        if n < self.window:
             return np.empty(0, dtype=np.int64)
         token = np.asarray(ids, dtype=np.uint64) * _MIX
         token ^= token >> _SHIFT
