@@ -41,7 +41,7 @@ class ChunkRule:
                              f"{self.window}, {self.min_tokens}, {self.max_tokens}")
 
     def cuts(self, ids: Sequence[int]) -> np.ndarray:
-        """Offsets i (1 <= i < len) where a chunk may end before token i, by content alone."""
+        """Offsets i (window <= i <= len) where a chunk may end before token i, by content alone."""
         n = len(ids)
         if n < self.window:
             return np.empty(0, dtype=np.int64)

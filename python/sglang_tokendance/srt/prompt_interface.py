@@ -44,7 +44,7 @@ def register(args: TokenDanceArgs) -> None:
     rule = args.chunk_rule
 
     def generate_request(original, self, obj, request=None, *rest, **kw):
-        return _generate_request(original, args, self, obj, request, *rest, **kw)
+        return _generate_request(original, args, rule is not None, self, obj, request, *rest, **kw)
 
     def validate_prompt(original, self, obj, input_ids, *rest, **kw):
         result = refuse_unservable_prompt(original, self, obj, input_ids, *rest, **kw)
@@ -105,7 +105,7 @@ def special_token_strings(tokenizer) -> list[str]:
 # --- requests ---------------------------------------------------------------------------
 
 
-async def _generate_request(original, args, tokenizer_manager, obj, request, *rest, **kw):
+async def _generate_request(original, args, chunks: bool, tokenizer_manager, obj, request, *rest, **kw):
     from sglang.srt.managers.io_struct import GenerateReqInput
 
     if isinstance(obj, GenerateReqInput):
@@ -120,7 +120,7 @@ async def _generate_request(original, args, tokenizer_manager, obj, request, *re
             apply_segments(obj, segments_field=segments, from_chat=chat,
                            segmenter=segmenter_of(tokenizer_manager, args), options=options,
                            messages=chat_message_texts(body) if chat and args.chat_segments and args.kv_enabled else (),
-                           find_chunks=args.chunk_rule is not None and not chat and not _multimodal(obj))
+                           find_chunks=chunks and not chat and not _multimodal(obj))
         except SegmentError as e:
             raise ValueError(str(e)) from None
     async for out in original(tokenizer_manager, obj, request, *rest, **kw):
