@@ -1,4 +1,5 @@
-"""bench_group_chat: unmodified clients (an OpenAI chat group chat, a plain-text simulation) against stock radix."""
+"""bench_group_chat: unmodified clients (an OpenAI chat group chat, a plain-text simulation) against stock
+radix, beside the plain-text client with markers and named rounds."""
 
 from __future__ import annotations
 
@@ -22,18 +23,21 @@ def test_clients_without_markers_or_names_reuse_the_conversation(tmp_path, tiny_
     segment, and a plain-text prompt's content-defined chunks are; they are read at a shift by
     the next round at the latest (round 0, with nothing cached, reads them only where its
     requests reach the scheduler in one step and form an inferred round with a leader: a
-    request arriving alone shares nothing yet and is never held)."""
+    request arriving alone shares nothing yet and is never held). The marked client's named
+    round is led whatever the arrival: round 0 already reads its leader's turns."""
     out = tmp_path / "chat.jsonl"
     bench_group_chat.main(["--model-path", tiny_llama, "--num-agents", "3", "--num-rounds", "2",
                            "--max-new-tokens", "4", "--settings", "default", "--output-file", str(out)])
     rows = {(r["client"], r["round"]): r for r in map(json.loads, out.read_text().splitlines()) if r["type"] == "round"}
-    assert set(rows) == {(c, r) for c in ("chat", "text") for r in (0, 1)}
+    assert set(rows) == {(c, r) for c in ("chat", "text", "marked") for r in (0, 1)}
     assert all(row["setting"] == "default" for row in rows.values())
     assert rows["chat", 0]["segments"] >= 3 * 4  # each agent: its system message and the three seed turns
     assert rows["text", 0]["segments"] >= 3 * 4  # each seed turn is several chunks
+    assert rows["marked", 0]["segments"] == 3 * 3  # each seed turn is one segment; the notes are private
+    assert rows["marked", 0]["reused_tokens"] > 0 and rows["marked", 0]["segment_hits"] >= 2 * 3
     for client in ("chat", "text"):
         assert sum(rows[client, r]["reused_tokens"] for r in (0, 1)) > 0
         assert sum(rows[client, r]["segment_hits"] for r in (0, 1)) > 0
     assert all(row["first_kl"] >= 0 and row["seconds"] > 0 and row["identical"] <= 3 for row in rows.values())
-    assert out.with_suffix(".md").read_text().count("| default |") == 4
+    assert out.with_suffix(".md").read_text().count("| default |") == 6
     assert out.with_suffix(".png").stat().st_size > 1000

@@ -219,6 +219,35 @@ def test_inferred_rounds_count_only_segments_shared_at_a_shift():
     assert sched.schedule() == ["reader", "peer"] and sched.groups == [["reader", "peer"]] * 2
 
 
+def test_an_arrival_waits_for_a_prefilling_request_computing_its_blocks_at_another_offset():
+    """Round 0 of an unmodified client: nothing cached, its requests reaching the scheduler a
+    pass apart. The first shares nothing yet and is admitted; a later one holding its blocks at
+    another offset waits for its prefill (those of later passes with it), then reads them from
+    their Masters. One holding them at the same offset (its own history) does not wait."""
+    clock, sched = setup(min_shared=None, leader=True)
+    first = req("first", hashes=[("t1", 10), ("t2", 40)])
+    sched.waiting_queue.append(first)
+    assert sched.schedule() == ["first"]
+    sched.waiting_queue.append(req("history", hashes=[("t1", 10)]))
+    assert sched.schedule() == ["history"]
+    sched.waiting_queue.append(req("second", hashes=[("t1", 25), ("t2", 55)]))
+    assert sched.schedule() == []
+    clock.now = 0.5  # past the window: it waits for the prefill, not the window
+    sched.waiting_queue.append(req("third", hashes=[("t2", 70)]))
+    assert sched.schedule() == []
+    first.output_ids.append(3)  # its prefill is done: its blocks are cached
+    assert sched.schedule() == ["second", "third"] and sched.groups == [["second", "third"]] * 2
+    stats = sched.policy.grouper.stats()
+    assert (stats["rounds_formed"], stats["led_rounds"], stats["mean_group_size"]) == (1, 1, 3.0)
+    assert stats["tracked_requests"] == 0 and stats["wait_added_s"] == pytest.approx(0.5)
+
+    clock, sched = setup(min_shared=None, leader=False)  # --no-tokendance-round-leader: nobody waits for one
+    sched.waiting_queue.append(req("first", hashes=[("t1", 10)]))
+    assert sched.schedule() == ["first"]
+    sched.waiting_queue.append(req("second", hashes=[("t1", 25)]))
+    assert sched.schedule() == ["second"]
+
+
 def test_request_options_are_validated_and_carried_as_one_object():
     def client(options, mirror=False) -> dict:
         return RequestOptions.from_client(options, mirror).payload()

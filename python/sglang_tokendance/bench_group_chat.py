@@ -1,18 +1,21 @@
 """`python -m sglang_tokendance.bench_group_chat`: unmodified clients -- no markers, no names --
-against stock radix on the same prompts.
+against stock radix on the same prompts, with a client that marks and names beside them.
 
-Two client shapes. `chat`: an AutoGen-style group chat through /v1/chat/completions: each
+Three client shapes. `chat`: an AutoGen-style group chat through /v1/chat/completions: each
 agent's request is its own system message (its persona and notes), then the group's
 conversation so far as user messages (every agent's turn, in the order spoken), then a short
 "your turn" message. `text`: a plain-text simulation through /v1/completions: the same notes,
-conversation and turn concatenated into one prompt. Stock SGLang answers every round first
-(each round's requests sent together): its answers make the conversation, and its top logprobs
-are the full prefill every other server is compared with. Each TokenDance setting then gets the
-same prompts, round by round, each round sent together. Per client, setting and round:
-first-token and content-step KL against stock (steps compared while the greedy outputs agree,
-as bench_quality's server mode does), continuations identical to stock's, the segments found
-and the tokens reused (the server's `metadata["tokendance"]`), and the round's latency over
-stock's.
+conversation and turn concatenated into one prompt. `marked`: the text client written for
+TokenDance, the gap an unmodified client leaves: each turn between separators, each round
+named with its size. A `--disable-tokendance` server (SGLang's own prefill and radix cache:
+stock radix, with markers stripped and segments tokenised as ours does) answers every round
+first (each round's requests sent together): its answers make the conversation, and its top
+logprobs are the full prefill every other server is compared with. Each TokenDance setting
+then gets the same prompts, round by round, each round sent together. Per client, setting and
+round: first-token and content-step KL against stock (steps compared while the greedy outputs
+agree, as bench_quality's server mode does), continuations identical to stock's, the segments
+found and the tokens reused (the server's `metadata["tokendance"]`), and the round's latency
+over stock's.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from sglang_tokendance.bench import report
 from sglang_tokendance.bench.quality_server import truncated_kl
 from sglang_tokendance.bench.server_process import ServerProcess, flush_cache
 from sglang_tokendance.bench.workloads import Simulation, WorkloadConfig, make_simulation
+from sglang_tokendance.core.segments import DEFAULT_SEPARATOR
 
 SETTINGS: dict[str, tuple[str, ...]] = {
     "default": (),  # chat messages and content-defined chunks as segments, inferred rounds with their leader
@@ -48,16 +52,28 @@ def chat_messages(sim: Simulation, agent: int, conversation: list[str], round_in
                                         f"Answer in two sentences."}]
 
 
-def text_prompt(sim: Simulation, agent: int, conversation: list[str], round_index: int) -> str:
+def chat_body(sim: Simulation, agent: int, conversation: list[str], round_index: int) -> dict:
+    return {"messages": chat_messages(sim, agent, conversation, round_index)}
+
+
+def text_body(sim: Simulation, agent: int, conversation: list[str], round_index: int, marker: str = "") -> dict:
     """The plain-text simulation: the chat's messages concatenated, as a simulation loop would,
-    ending where the agent's turn begins ("Name:")."""
-    messages = chat_messages(sim, agent, conversation, round_index)
-    return "\n\n".join(m["content"] for m in messages) + f"\n\n{sim.agents[agent].name}:"
+    ending where the agent's turn begins ("Name:"); each turn between `marker`s."""
+    notes, *turns, turn = (m["content"] for m in chat_messages(sim, agent, conversation, round_index))
+    return {"prompt": "\n\n".join([notes, *(f"{marker}{t}{marker}" for t in turns), turn])
+            + f"\n\n{sim.agents[agent].name}:"}
 
 
-def ask_chat(url: str, messages: list[dict], max_tokens: int, top: int) -> dict:
+def marked_body(sim: Simulation, agent: int, conversation: list[str], round_index: int) -> dict:
+    """The text client written for TokenDance: its turns marked, its round named with its size."""
+    size = len(sim.agents)
+    return {**text_body(sim, agent, conversation, round_index, DEFAULT_SEPARATOR),
+            "tokendance": {"round": f"n{size}-r{round_index}", "round_size": size}}
+
+
+def ask_chat(url: str, body: dict, max_tokens: int, top: int) -> dict:
     r = requests.post(url + "/v1/chat/completions", timeout=TIMEOUT, json={
-        "model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+        "model": "default", **body, "max_tokens": max_tokens, "temperature": 0,
         "logprobs": True, "top_logprobs": top})
     r.raise_for_status()
     body = r.json()
@@ -68,9 +84,9 @@ def ask_chat(url: str, messages: list[dict], max_tokens: int, top: int) -> dict:
             "tokendance": (body.get("metadata") or {}).get("tokendance", {})}
 
 
-def ask_text(url: str, prompt: str, max_tokens: int, top: int) -> dict:
+def ask_text(url: str, body: dict, max_tokens: int, top: int) -> dict:
     r = requests.post(url + "/v1/completions", timeout=TIMEOUT, json={
-        "model": "default", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": top})
+        "model": "default", **body, "max_tokens": max_tokens, "temperature": 0, "logprobs": top})
     r.raise_for_status()
     body = r.json()
     logprobs = body["choices"][0]["logprobs"]
@@ -79,7 +95,7 @@ def ask_text(url: str, prompt: str, max_tokens: int, top: int) -> dict:
             "tokendance": (body.get("metadata") or {}).get("tokendance", {})}
 
 
-CLIENTS = {"chat": (chat_messages, ask_chat), "text": (text_prompt, ask_text)}
+CLIENTS = {"chat": (chat_body, ask_chat), "text": (text_body, ask_text), "marked": (marked_body, ask_text)}
 
 
 def send_round(url: str, client: str, prompts: list, args: argparse.Namespace) -> tuple[list[dict], float]:
@@ -148,7 +164,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     runs = [(client, n) for client in args.clients for n in agents]
     total = len(runs) * args.num_rounds * (1 + len(args.settings))
     with tqdm(total=total, desc="group chat rounds", unit="round") as progress:
-        with ServerProcess(model, stock=True) as stock:
+        with ServerProcess([*model, "--disable-tokendance"]) as stock:
             references = {}
             for client, n in runs:
                 flush_cache(stock.url)
@@ -183,7 +199,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--num-rounds", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--top-logprobs", type=int, default=10, help="K of the truncated KL")
-    p.add_argument("--clients", default=",".join(CLIENTS), help=f"from {', '.join(CLIENTS)}")
+    p.add_argument("--clients", default=",".join(CLIENTS),
+                   help=f"from {', '.join(CLIENTS)} (marked: the text client with markers and named rounds)")
     p.add_argument("--settings", default=",".join(SETTINGS), help=f"from {', '.join(SETTINGS)}")
     p.add_argument("--seed", type=int, default=3)
     p.add_argument("--model-path", default=None, help="default: the prepared SmolLM2-135M-Instruct")

@@ -155,7 +155,9 @@ class TokenDanceArgs:
         1, "Infer rounds: a request without a `round` holding at least this many segments shared at a shift (held "
         "by another waiting prompt at another offset, or cached from another offset) joins the requests of the "
         "last --tokendance-round-window-ms sharing that many with it, held for that window, and its round is led "
-        "like a named one; a request sharing none is never held (0: rounds are only those clients name)."
+        "like a named one; a request holding at least this many segments that an admitted request is still computing "
+        "at another offset waits for that prefill, then reads them; a request sharing none is never held (0: rounds "
+        "are only those clients name)."
     )
     round_leader: bool = _option(
         True, "A released round of two or more requests goes in two steps: its leader (the member holding the most "

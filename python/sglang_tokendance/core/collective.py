@@ -125,6 +125,31 @@ class RoundGrouper(Generic[T]):
         if group is None:
             self.free.add(item)
             return None
+        self._join(item, group, hashes, now)
+        return group
+
+    def follow(self, item: T, leader: T, namespace: Hashable, hashes: Iterable[str],
+               now: float) -> tuple[RoundGroup[T], bool]:
+        """A request arriving while `leader`, admitted already, is computing segments it holds
+        at another offset: held behind it as a late member of an inferred round it leads, until
+        its prefill is done (`release_due`'s `led`), then it reads them from their Masters
+        instead of computing them again. The group, and whether it was opened now."""
+        group = next((g for g in self.leading.values() if g.inferred and g.leader is leader), None)
+        opened = group is None
+        if opened:
+            serial = next(self._serial)
+            group = RoundGroup((namespace, serial), f"inferred-{serial}", None, now, inferred=True,
+                               leader=leader, released_at=now)
+            group.record = RoundRecord(group.round_id, True, 1, False, 0.0, led=True)  # its leader
+            self.leading[id(group)] = group
+            self.rounds += 1
+            self.members += 1
+            self.led += 1
+            self.recent.append(group.record)
+        self._join(item, group, tuple(sorted(set(hashes))), now)
+        return group, opened
+
+    def _join(self, item: T, group: RoundGroup[T], hashes: tuple[str, ...], now: float) -> None:
         group.members[item] = hashes
         group.arrivals[item] = now
         group.hashes.update(hashes)
@@ -133,7 +158,6 @@ class RoundGrouper(Generic[T]):
             group.record.members += 1
             self.members += 1
         self.group_of[item] = group
-        return group
 
     def _group_for(self, namespace: Hashable, tag: RoundTag | None, hashes: tuple[str, ...],
                    now: float) -> RoundGroup[T] | None:

@@ -18,7 +18,8 @@ scheduler through HookRegistry:
 Under --tokendance-round-leader (the default) a released group's leader is admitted alone
 first and the others stay held until its first token (`prefilled`); `leads(req)` tells the
 forest, while SGLang builds the leader's batch, to compute it exactly and make its blocks
-their Masters.
+their Masters. An unnamed arrival holding segments that an admitted request is still computing
+at another offset waits behind it the same way (`prefilling`: round 0's natural leader).
 
 Held requests stay SGLang's waiting requests in every other respect (abort, /flush_cache
 refusal, the idle check: a scheduler holding a request keeps polling, so windows expire).
@@ -53,12 +54,15 @@ class RoundPolicy:
                                                        lead=args.round_leader)
         self.clock = clock
         self.metrics: RoundMetrics | None = None  # built on the first pass, when SGLang's are known
+        # admitted requests holding segments, their prefill not done: what a later arrival may wait for
+        self.prefilling: dict[Any, RequestOptions] = {}
 
     def get_new_batch_prefill(self, original, scheduler, *args, **kwargs):
         """AROUND hook: hide the held requests from SGLang's admission for this pass."""
         if self.metrics is None:
             self.metrics = _metrics_of(scheduler)
         before = scheduler.waiting_queue
+        self.prefilling = {r: o for r, o in self.prefilling.items() if not prefilled(r)}
         self.register_arrivals(before)
         waited = self.grouper.wait_s
         for record in self.grouper.release_due(self.clock(), led=prefilled):
@@ -75,6 +79,9 @@ class RoundPolicy:
                 scheduler.waiting_queue = _put_back(before, held, scheduler.waiting_queue)
         if plan.batch_to_run is not None:
             self.grouper.admitted(plan.batch_to_run.reqs)
+            if self.grouper.min_shared > 0:
+                self.prefilling.update((r, self.options(r)) for r in plan.batch_to_run.reqs
+                                       if not prefilled(r) and self.options(r).spans)
         return plan
 
     def register_arrivals(self, waiting_queue: list) -> None:
@@ -86,6 +93,13 @@ class RoundPolicy:
             options = self.options(req)
             if len(req.output_ids) > 0:  # retracted after decoding: never held again
                 self.grouper.arrive(req, namespace_of(req), None, (), now)
+                continue
+            if options.round is None and (behind := self._prefilling_holder(req, options)) is not None:
+                group, opened = self.grouper.follow(req, *behind, now)
+                if opened:
+                    self.metrics.count_round(group.record)
+                else:
+                    self.metrics.count_late_member()
                 continue
             hashes = options.hashes if options.round is not None else self._shared_at_a_shift(req, options, places)
             group = self.grouper.arrive(req, namespace_of(req), options.round, hashes, now)
@@ -114,6 +128,28 @@ class RoundPolicy:
         return [span.hash for span in options.spans
                 if places.get((namespace, span.hash), set()) - {span.start}
                 or self.cached_at((namespace, span.hash)) not in (None, span.start)]
+
+    def _prefilling_holder(self, req, options: RequestOptions) -> tuple[Any, Hashable, list[str]] | None:
+        """(leader, namespace, hashes) when an admitted request still prefilling is computing at
+        least `round_min_shared` segments, not cached yet, that an unnamed arrival holds at
+        another offset (the one computing the most of them): the arrival waits for its Masters
+        rather than compute the same blocks beside it. Inferred rounds otherwise form only
+        among requests that reach the scheduler in the same pass."""
+        if self.grouper.min_shared <= 0 or not self.grouper.lead or not self.prefilling:
+            return None
+        namespace = namespace_of(req)
+        pending = [s for s in options.spans if self.cached_at((namespace, s.hash)) is None]
+        best: tuple[Any, Hashable, list[str]] | None = None
+        for other, other_options in self.prefilling.items():
+            if namespace_of(other) != namespace:
+                continue
+            starts: dict[str, set[int]] = {}
+            for span in other_options.spans:
+                starts.setdefault(span.hash, set()).add(span.start)
+            shared = [s.hash for s in pending if starts.get(s.hash, set()) - {s.start}]
+            if len(shared) >= self.grouper.min_shared and (best is None or len(shared) > len(best[2])):
+                best = (other, namespace, shared)
+        return best
 
     def order(self, result, schedule_policy, waiting_queue: list, *unused, **unused_kw):
         """AFTER hook on SchedulePolicy.calc_priority: released groups stand together."""
