@@ -210,16 +210,31 @@ def triton_cases() -> list[tuple[str, int]]:
     return [(name, tile) for name in sorted(SPECS) for tile in (4, 16)]
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="run by test_triton_kernel_on_the_cpu")
-@pytest.mark.parametrize("name,tile", triton_cases())
-def test_triton_decode_equals_the_torch_reference(name, tile):
+def triton_decode_against_torch(name: str, tile: int, device: str) -> None:
+    """The Triton decode on `device` equals the torch reference on the CPU."""
     spec = SPECS[name]
     pool = Pool(spec=spec, seed=6, lengths=[48, 50, 20, 1], share=[(25, 5, 20), (2, 30, 10)])
     q = torch.randn(4, HEADS, D, generator=torch.Generator().manual_seed(7))
     tiles = decode_tiles(pool.table, pool.row_index, pool.lengths, pool.reads(), largest_tile=tile)
     want = tiled_decode_attention(q, pool.keys, pool.values, tiles, SCALE, pool.reads())
-    got = tiled_decode_attention_triton(q, pool.keys, pool.values, tiles, SCALE, pool.reads())
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    pool.frames.frame = pool.frames.frame.to(device)
+    reads = pool.reads()
+    tiles = decode_tiles(pool.table.to(device), pool.row_index.to(device), pool.lengths, reads, largest_tile=tile)
+    got = tiled_decode_attention_triton(q.to(device), pool.keys.to(device), pool.values.to(device), tiles, SCALE,
+                                        reads)
+    torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="run by test_triton_kernel_on_the_cpu")
+@pytest.mark.parametrize("name,tile", triton_cases())
+def test_triton_decode_equals_the_torch_reference(name, tile):
+    triton_decode_against_torch(name, tile, "cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (scripts/gpu_check.sh runs it)")
+@pytest.mark.parametrize("name,tile", triton_cases())
+def test_triton_decode_on_cuda_equals_the_torch_reference(name, tile):
+    triton_decode_against_torch(name, tile, "cuda")
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="this is the child's parent")
