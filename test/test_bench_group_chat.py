@@ -20,11 +20,10 @@ def test_cli_refuses_unknown_settings_and_groups_of_one():
 @pytest.mark.slow
 def test_clients_without_markers_or_names_reuse_the_conversation(tmp_path, tiny_llama):
     """The agents' prompts hold the same turns after other notes: by default each chat turn is a
-    segment, and a plain-text prompt's content-defined chunks are; they are read at a shift by
-    the next round at the latest (round 0, with nothing cached, reads them only where its
-    requests reach the scheduler in one step and form an inferred round with a leader: a
-    request arriving alone shares nothing yet and is never held). The marked client's named
-    round is led whatever the arrival: round 0 already reads its leader's turns."""
+    segment, and a plain-text prompt's content-defined chunks are; round 0, with nothing cached,
+    already reads them at a shift, whatever the arrival: requests reaching the scheduler in one
+    pass form an inferred round with a leader, and a later one waits for the prefill computing
+    its turns. The marked client's named round is led the same way."""
     out = tmp_path / "chat.jsonl"
     bench_group_chat.main(["--model-path", tiny_llama, "--num-agents", "3", "--num-rounds", "2",
                            "--max-new-tokens", "4", "--settings", "default", "--output-file", str(out)])
@@ -34,10 +33,9 @@ def test_clients_without_markers_or_names_reuse_the_conversation(tmp_path, tiny_
     assert rows["chat", 0]["segments"] >= 3 * 4  # each agent: its system message and the three seed turns
     assert rows["text", 0]["segments"] >= 3 * 4  # each seed turn is several chunks
     assert rows["marked", 0]["segments"] == 3 * 3  # each seed turn is one segment; the notes are private
-    assert rows["marked", 0]["reused_tokens"] > 0 and rows["marked", 0]["segment_hits"] >= 2 * 3
-    for client in ("chat", "text"):
-        assert sum(rows[client, r]["reused_tokens"] for r in (0, 1)) > 0
-        assert sum(rows[client, r]["segment_hits"] for r in (0, 1)) > 0
+    assert rows["marked", 0]["segment_hits"] >= 2 * 3  # two readers of the leader's three turns
+    for client in ("chat", "text", "marked"):
+        assert rows[client, 0]["reused_tokens"] > 0 and rows[client, 0]["segment_hits"] > 0
     assert all(row["first_kl"] >= 0 and row["seconds"] > 0 and row["identical"] <= 3 for row in rows.values())
     assert out.with_suffix(".md").read_text().count("| default |") == 6
     assert out.with_suffix(".png").stat().st_size > 1000

@@ -41,7 +41,10 @@ def server(tiny_llama):
     with ServerProcess(["--model-path", tiny_llama, "--max-total-tokens", str(POOL), "--context-length", "1024",
                         "--schedule-conservativeness", "0.05", "--tokendance-storage", "mirror",
                         "--tokendance-check-layer", "2", "--enable-metrics", "--no-tokendance-exact-recurrence",
-                        "--tokendance-round-min-shared", "0"],  # readers sent together are not a round
+                        "--tokendance-round-min-shared", "0",  # readers sent together are not a round
+                        # a named round of known size is released once complete: under load its
+                        # threads' requests can reach the scheduler more than the default 50 ms apart
+                        "--tokendance-round-window-ms", "2000"],
                        env={"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1"}) as proc:
         cache_every_block(proc.url)
         assert forest_stats(proc.url)["segment_nodes"] == len(BLOCKS)

@@ -15,6 +15,7 @@ import pytest
 import requests
 
 from conftest import assert_no_leak
+from test_readme_examples import run_example
 from sglang_tokendance.bench.router_process import RouterProcess
 from sglang_tokendance.bench.server_process import ServerProcess, flush_cache
 from sglang_tokendance.core.segments import DEFAULT_SEPARATOR as SEP
@@ -143,6 +144,12 @@ def test_round_robin_scatters_a_round_and_loses_reuse(workers, manual_router, em
         scattered = [play_round(router.url, "sim-b", r, key="sim-b") for r in range(2)]
     assert all(counts(w)[1] > old for w, old in zip(emptied, before))  # both workers cached the blocks
     assert sum(r[0] for r in reuse_of(scattered)) < sum(r[0] for r in reuse_of(keyed))
+
+
+def test_the_readmes_router_example_prints_the_hits_it_promises(manual_router, emptied):
+    """README, "Serve your own app" (d): two agents with one routing key reach one worker, and the
+    second hits the two blocks the first cached there."""
+    assert [hits for hits, _ in run_example("router", manual_router.url)] == [0, 2]
 
 
 def test_a_worker_lost_mid_round_costs_no_request(manual_router, emptied):
