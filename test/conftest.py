@@ -168,12 +168,25 @@ def server_urls(value) -> list[str]:
 
 
 @pytest.fixture(autouse=True)
-def no_kv_leak_after_server_tests(request):
+def no_kv_leak_after_server_tests(request, monkeypatch):
     """After every slow test: the leak invariant at quiescence on every TokenDance server any of
-    its fixtures handed it (a URL, or URLs in a tuple, list or dict; stock servers have no forest)."""
-    yield
+    its fixtures handed it (a URL, or URLs in a tuple, list or dict; stock servers have no forest),
+    and on every server the test started itself (a benchmark's included) as it leaves its `with`
+    block normally, still serving."""
     if request.node.get_closest_marker("slow") is None:
+        yield
         return
+    stop = ServerProcess.__exit__
+
+    def checked_exit(proc: ServerProcess, kind, error, trace) -> None:
+        try:
+            if kind is None and proc.proc.poll() is None:
+                assert_no_leak(proc.url)
+        finally:
+            stop(proc, kind, error, trace)
+
+    monkeypatch.setattr(ServerProcess, "__exit__", checked_exit)
+    yield
     urls = {url for name in request.fixturenames if name in request.node.funcargs
             for url in server_urls(request.node.funcargs[name])}
     for url in sorted(urls):

@@ -37,5 +37,7 @@ def test_clients_without_markers_or_names_reuse_the_conversation(tmp_path, tiny_
     for client in ("chat", "text", "marked"):
         assert rows[client, 0]["reused_tokens"] > 0 and rows[client, 0]["segment_hits"] > 0
     assert all(row["first_kl"] >= 0 and row["seconds"] > 0 and row["identical"] <= 3 for row in rows.values())
+    # live KV: at most the round's own tokens and the rows its agents kept from the last round
+    assert all(0 <= row["peak_kv_tokens"] <= 2 * row["prompt_tokens"] for row in rows.values())
     assert out.with_suffix(".md").read_text().count("| default |") == 6
     assert out.with_suffix(".png").stat().st_size > 1000

@@ -175,6 +175,11 @@ def test_chunked_prefill_plans_each_chunk_as_the_server_does(runner):
     # unchunked forward, the probe layers run once per token
     torch.testing.assert_close(planned_logits, logits, atol=1e-4, rtol=1e-4)
     assert in_chunks.token_layers == stats.token_layers
+    # within a fidelity budget, as the server's planned selection (before, the plan ignored it)
+    budgeted = Setting("attention-kv", 0.5, 2, 1, budget=10)
+    _, _, budget_stats, _ = runner.run_setting(prompt, store, budgeted, CONFIG.options, room)
+    _, _, planned_stats = runner.run_chunked(prompt, store, replace(budgeted, planned=True), CONFIG.options, room, 16)
+    assert planned_stats.kept_tokens == budget_stats.kept_tokens >= stats.reused_tokens - 10 > stats.kept_tokens
     unscreened = Setting("attention-kv", 0.5, 2)
     whole_logits, _, _, _ = runner.run_setting(prompt, store, unscreened, CONFIG.options, room)
     one, _, _ = runner.run_chunked(prompt, store, replace(unscreened, planned=True), CONFIG.options, room, n)

@@ -67,6 +67,22 @@ def test_torch_natives_prefix_queries_make_sglangs_later_chunks_dearer():
     assert not flash.pays(4096, 300, 10) and native.pays(4096, 300, 10)  # a short block in the last chunk
 
 
+def test_the_servers_backend_prices_sglangs_prefix_queries_and_mirrors_reads_in_place():
+    """Before, only torch_native priced SGLang's prefix queries: under mirror storage (the
+    tokendance backend, which runs torch_native for every row that reads no Master) SGLang's
+    path was underpriced, and ours charged a restore copy mirror storage never makes."""
+    from sglang_tokendance.core.cost import serving_cost
+
+    options = BlendOptions(recompute_ratio=0.3, check_layer=5, screen_layer=1)
+    native, mirror, flash = (serving_cost(30, options, True, backend)
+                             for backend in ("torch_native", "tokendance", "flashinfer"))
+    assert native.stock(4096, 300) == mirror.stock(4096, 300) > flash.stock(4096, 300)
+    rates = mirror.rates
+    assert native.blended(0, 1000, 600) - mirror.blended(0, 1000, 600) == \
+        pytest.approx(30 * 600 * (rates.restore - rates.read))
+    assert (native.in_place, mirror.in_place, flash.prefix_queries) == (False, True, False)
+
+
 @settings(max_examples=200, deadline=None)
 @given(prefix=st.integers(0, 4096), tokens=st.integers(1, 4096), share=st.floats(0, 1),
        ratio=st.sampled_from([0.0, 0.15, 0.3, 0.6]), screen=st.booleans())

@@ -34,14 +34,28 @@ class Allocator:
         return len(self.freed)
 
 
-def make_forest(policy: str = "lru"):
+def make_forest(policy: str = "lru", **options):
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
     from sglang_tokendance.srt.forest import SegmentForest
 
     params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=Allocator(),
                              page_size=1, eviction_policy=policy)
-    return SegmentForest(params, keys=None, reuse=False)
+    return SegmentForest(params, keys=None, reuse=False, **options)
+
+
+def test_a_prompt_rest_longer_than_one_chunks_work_is_selected_chunk_by_chunk():
+    """Before, a chunk planning ahead probed the whole rest of its prompt in one step, its
+    scratch KV outside SGLang's pool: now only a rest whose probe costs at most one prefill
+    chunk through every layer."""
+    from sglang_tokendance.srt.forest import probe_limit
+
+    assert probe_limit(4096, 30, 8) == 4096 * 30 // 9 and probe_limit(None, 30, 8) is probe_limit(-1, 30, 8) is None
+    forest = make_forest(probe_limit=probe_limit(64, 4, 3))  # 64 tokens of rest
+    assert forest._plans_ahead(SimpleNamespace(origin_input_ids=[0] * 100, prefix_len=36))
+    assert not forest._plans_ahead(SimpleNamespace(origin_input_ids=[0] * 100, prefix_len=35))
+    assert not make_forest(planned_selection=False)._plans_ahead(SimpleNamespace(origin_input_ids=[0], prefix_len=0))
+    assert make_forest()._plans_ahead(SimpleNamespace(origin_input_ids=[0] * 10 ** 6, prefix_len=0))
 
 
 def add_leaf(forest, ids: list[int], first_slot: int, accessed: float, created: float):
@@ -192,6 +206,46 @@ def test_blocks_recurring_at_the_exact_frontier_are_computed_and_counted():
     assert state.unpublished_spans(published=35) == spans[1:]
     everywhere = RequestReuse.of(again, options_of(again), can_reuse=True)  # --no-tokendance-exact-recurrence
     assert [(r.start, r.end) for r in everywhere.plan_chunk(table, 10, 60).runs] == [(10, 30), (35, 55)]
+
+
+def test_a_recurring_block_without_a_cached_master_is_not_counted_as_computed_exactly_for_recurring():
+    """Before, every block before the exact frontier counted in `exact_recurring_tokens`, also
+    one that no Master holds (the request would have computed it anyway)."""
+    from sglang_tokendance.core.recurrence import Sightings
+    from sglang_tokendance.srt.reuse import RequestReuse, namespace_of
+
+    spans = [SegmentSpan(10, 30, "a"), SegmentSpan(35, 55, "b")]
+    table, sightings = SegmentTable(), Sightings()
+    first = fake_req(spans, prompt_len=60)
+    table.insert((namespace_of(first), "b"), torch.arange(35, 55), list(range(35, 55)))  # "a" evicted since
+    sightings.record_prompt(namespace_of(first), first.origin_input_ids, spans[:1])
+    again = fake_req(spans, prompt_len=60, prefix_len=10)
+    state = RequestReuse.of(again, options_of(again), can_reuse=True, sightings=sightings)
+    plan = state.plan_chunk(table, 10, 60)
+    assert [(r.start, r.end) for r in plan.runs] == [(35, 55)]
+    assert state.counts.exact_recurring_tokens == 0 and state.counts.reused_tokens == 20
+
+
+def test_admissions_look_at_segments_touches_nothing_and_the_plan_reads_each_once():
+    """Before, admission's estimate (`would_read`) and the look at a prompt's later chunks went
+    through the counting lookup: a refused admission bumped its Masters' hits and recency
+    (SGLang's eviction order) and counted a mismatching entry as refused each time."""
+    from sglang_tokendance.srt.reuse import RequestReuse, namespace_of
+
+    spans = [SegmentSpan(0, 20, "a"), SegmentSpan(20, 40, "b")]
+    table = SegmentTable()
+    req = fake_req(spans, prompt_len=60)
+    a = table.insert((namespace_of(req), "a"), torch.arange(20), list(range(20)))
+    table.insert((namespace_of(req), "b"), torch.arange(20), [7] * 20)  # another text under b's key
+    touched = a.last_access_time
+    state = RequestReuse.of(req, options_of(req), can_reuse=True)
+    for _ in range(3):
+        assert state.would_read(table, 0, 60).reused_tokens == 20
+        assert state.runs_in(table, 0, 60).reused_tokens == 20
+    assert (a.hit_count, a.last_access_time, table.refused) == (0, touched, 0)
+    state.plan_chunk(table, 0, 30)
+    state.plan_chunk(table, 30, 60)  # "b" spans both chunks: read once
+    assert (a.hit_count, table.refused) == (1, 1) and a.last_access_time > touched
 
 
 def test_blocks_recurrence_makes_exact_stay_in_the_budget_of_the_blocks_still_reused():

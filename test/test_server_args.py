@@ -396,6 +396,23 @@ def test_a_model_whose_rope_cannot_be_rerotated_is_refused_before_sglang_starts(
     assert "longrope" in last and "--disable-tokendance" in last
 
 
+def test_a_rope_override_the_served_model_cannot_rerotate_is_refused_before_sglang_starts(smollm2_path):
+    """Before, the launch check read config.json alone: a longrope override passed it and the
+    scheduler raised once SGLang had started."""
+    from sglang_tokendance.served_model import check_rope
+
+    pairs = 64 // 2
+    longrope = json.dumps({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * pairs,
+                                            "long_factor": [1.0] * pairs, "factor": 2.0,
+                                            "original_max_position_embeddings": 2048}})
+    check_rope(str(smollm2_path), None, json.dumps({"rope_scaling": {"rope_theta": 50000.0}}))  # still plain
+    with pytest.raises(TokenDanceArgsError, match="--json-model-override-args.*longrope"):
+        check_rope(str(smollm2_path), None, longrope)
+    result = run_launcher("--model-path", str(smollm2_path), "--json-model-override-args", longrope)
+    assert result.returncode == 2, result.stderr
+    assert "longrope" in result.stderr.strip().splitlines()[-1]
+
+
 def test_options_doc_is_generated_from_the_dataclass():
     from pathlib import Path
 

@@ -29,7 +29,7 @@ from sglang_tokendance.bench.machine import idle_check
 from sglang_tokendance.bench.multiagent import MODES, Mode
 from sglang_tokendance.bench.server_process import ServerProcess
 from sglang_tokendance.bench_multiagent import model_layers
-from sglang_tokendance.core.cost import PrefillCost
+from sglang_tokendance.core.cost import PrefillCost, serving_cost
 from sglang_tokendance.core.segments import DEFAULT_SEPARATOR
 from sglang_tokendance.core.selection import rule_named
 from sglang_tokendance.server_args import TokenDanceArgs
@@ -130,19 +130,19 @@ def summary(samples: list[Sample], modes: list[Mode], server: ServerShape) -> li
 @dataclass(frozen=True)
 class ServerShape:
     """What core/cost's estimate needs of the servers: the model's layers, SGLang's
-    chunked-prefill size and whether its attention backend computes the prefix's queries."""
+    chunked-prefill size and the TokenDance server's attention backend."""
 
     layers: int
     chunk: int
-    prefix_queries: bool
+    backend: str | None
 
     def cost_of(self, mode: Mode) -> tuple[PrefillCost, bool]:
         """The mode's cost model, and whether its server checks it (blends only where it pays)."""
         parser = argparse.ArgumentParser()
         TokenDanceArgs.add_cli_args(parser)
         args = TokenDanceArgs.from_cli_args(parser.parse_known_args(list(mode.server_args))[0])
-        cost = PrefillCost(self.layers, args.blend_options(), rule_named(args.selection).needs_attention,
-                           prefix_queries=self.prefix_queries)
+        cost = serving_cost(self.layers, args.blend_options(), rule_named(args.selection).needs_attention,
+                            self.backend)
         return cost, args.cost_check
 
     def estimated_speedup(self, mode: Mode, tokens: int, block_start: int, block_end: int) -> float:
@@ -165,7 +165,7 @@ def server_shape(url: str | None, model_path: str | None) -> ServerShape:
     info = requests.get(url + "/server_info", timeout=60).json() if url else {}
     chunk = info.get("chunked_prefill_size") or -1
     backend = info.get("prefill_attention_backend") or info.get("attention_backend")
-    return ServerShape(model_layers(model_path), chunk if chunk > 0 else 1 << 30, backend == "torch_native")
+    return ServerShape(model_layers(model_path), chunk if chunk > 0 else 1 << 30, backend)
 
 
 def plot(path: Path, rows: list[dict], modes: list[Mode]) -> None:

@@ -14,8 +14,9 @@ logprobs are the full prefill every other server is compared with. Each TokenDan
 then gets the same prompts, round by round, each round sent together. Per client, setting and
 round: first-token and content-step KL against stock (steps compared while the greedy outputs
 agree, as bench_quality's server mode does), continuations identical to stock's, the segments
-found and the tokens reused (the server's `metadata["tokendance"]`), and the round's latency
-over stock's.
+found and the tokens reused (the server's `metadata["tokendance"]`), the round's latency
+over stock's, and the round's peak KV in use beside stock's (sampled from SGLang's /v1/loads:
+tokens held by live requests and pinned Masters, not the evictable tree).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -98,12 +100,32 @@ def ask_text(url: str, body: dict, max_tokens: int, top: int) -> dict:
 CLIENTS = {"chat": (chat_body, ask_chat), "text": (text_body, ask_text), "marked": (marked_body, ask_text)}
 
 
-def send_round(url: str, client: str, prompts: list, args: argparse.Namespace) -> tuple[list[dict], float]:
+def peak_kv_while(url: str, done: threading.Event, peak: list[int], interval: float = 0.2) -> None:
+    """Samples SGLang's KV tokens in use (held by live requests and pinned, not the evictable
+    tree) until `done`; the largest sample ends in peak[0]."""
+    while True:
+        try:
+            loads = requests.get(url + "/v1/loads?include=core", timeout=5).json()["loads"]
+            peak[0] = max(peak[0], sum(x["num_used_tokens"] for x in loads))
+        except (requests.RequestException, KeyError, ValueError):
+            pass
+        if done.wait(interval):
+            return
+
+
+def send_round(url: str, client: str, prompts: list, args: argparse.Namespace) -> tuple[list[dict], float, int]:
+    """The round's requests sent together: their answers, the round's latency and its peak KV."""
     ask = CLIENTS[client][1]
+    done, peak = threading.Event(), [0]
+    sampler = threading.Thread(target=peak_kv_while, args=(url, done, peak), daemon=True)
+    sampler.start()
     start = time.perf_counter()
     with ThreadPoolExecutor(len(prompts)) as pool:
         answers = list(pool.map(lambda m: ask(url, m, args.max_new_tokens, args.top_logprobs), prompts))
-    return answers, time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    done.set()
+    sampler.join()
+    return answers, seconds, peak[0]
 
 
 def compare(answer: dict, reference: dict) -> dict:
@@ -128,8 +150,8 @@ def reference_rounds(url: str, client: str, sim: Simulation, args: argparse.Name
     rounds = []
     for r in range(args.num_rounds):
         prompts = [CLIENTS[client][0](sim, a, conversation, r) for a in range(len(sim.agents))]
-        answers, seconds = send_round(url, client, prompts, args)
-        rounds.append({"prompts": prompts, "answers": answers, "seconds": seconds})
+        answers, seconds, peak_kv = send_round(url, client, prompts, args)
+        rounds.append({"prompts": prompts, "answers": answers, "seconds": seconds, "peak_kv": peak_kv})
         conversation += [f"{sim.agents[a].name}: {answer['text']}" for a, answer in enumerate(answers)]
         progress.update(1)
     return rounds
@@ -139,7 +161,7 @@ def replay(url: str, client: str, setting: str, n: int, rounds: list[dict], args
            progress) -> list[dict]:
     rows = []
     for r, stock in enumerate(rounds):
-        answers, seconds = send_round(url, client, stock["prompts"], args)
+        answers, seconds, peak_kv = send_round(url, client, stock["prompts"], args)
         compared = [compare(a, ref) for a, ref in zip(answers, stock["answers"])]
         steps = [kl for c in compared for kl in c["step_kls"]]
         rows.append({"type": "round", "client": client, "setting": setting, "num_agents": n, "round": r,
@@ -150,7 +172,8 @@ def replay(url: str, client: str, setting: str, n: int, rounds: list[dict], args
                      **{k: sum(c[k] for c in compared) for k in ("segments", "segment_hits", "reused_tokens",
                                                                   "recomputed_tokens")},
                      "seconds": seconds, "seconds_radix": stock["seconds"],
-                     "latency_vs_radix": stock["seconds"] / seconds})
+                     "latency_vs_radix": stock["seconds"] / seconds,
+                     "peak_kv_tokens": peak_kv, "peak_kv_radix": stock["peak_kv"]})
         progress.update(1)
     return rows
 
@@ -228,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
     report.write_jsonl(args.output_file, [{"type": "meta", "command": command}, *rows])
     columns = ["client", "setting", "num_agents", "round", "first_kl", "step_kl", "steps_compared", "identical",
                "prompt_tokens", "segments", "segment_hits", "reused_tokens", "recomputed_tokens", "seconds",
-               "seconds_radix", "latency_vs_radix"]
+               "seconds_radix", "latency_vs_radix", "peak_kv_tokens", "peak_kv_radix"]
     report.write_markdown(args.output_file.with_suffix(".md"), "Unmodified clients against stock radix",
                           command, [("Per round (each round's requests sent together)",
                                      report.markdown_table(rows, columns))])

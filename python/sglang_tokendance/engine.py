@@ -53,7 +53,7 @@ class Engine(SGLangEngine):
             kwargs.setdefault("disable_prefill_cuda_graph", True)  # graphs would replay SGLang's forward
         check_server_args(tokendance_args, SimpleNamespace(**kwargs))
         if tokendance_args.kv_enabled:
-            check_rope(kwargs["model_path"], kwargs.get("revision"))
+            check_rope(kwargs["model_path"], kwargs.get("revision"), kwargs.get("json_model_override_args"))
         export_model_salt(kwargs["model_path"], kwargs.get("revision"), kwargs.get("dtype", "auto"),
                           kwargs.get("kv_cache_dtype", "auto"))
         self.tokendance_args = tokendance_args

@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     try:  # before SGLang spawns anything: the guards, and the model's identity computed once
         check_server_args(td_args, server_args)
         if td_args.kv_enabled:
-            check_rope(server_args.model_path, server_args.revision)
+            check_rope(server_args.model_path, server_args.revision, server_args.json_model_override_args)
         export_model_salt(server_args.model_path, server_args.revision, server_args.dtype, server_args.kv_cache_dtype)
     except (TokenDanceArgsError, ModelNotLocalError) as e:
         parser.error(str(e))

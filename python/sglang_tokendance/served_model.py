@@ -18,6 +18,7 @@ from sglang_tokendance.core.model_identity import model_identity, weight_checksu
 from sglang_tokendance.model_store import tokendance_home
 
 SALT_ENV = "SGLANG_TOKENDANCE_MODEL_SALT"
+ROPE_KEYS = ("rope_parameters", "rope_scaling")  # core/rope reads the first it finds
 
 
 class ModelNotLocalError(RuntimeError):
@@ -51,18 +52,32 @@ def model_salt(model_path: str, revision: str | None, dtype: str, kv_cache_dtype
     return model_identity(model_dir / "config.json", sums, str(dtype), str(kv_cache_dtype))
 
 
-def check_rope(model_path: str, revision: str | None = None) -> None:
+def served_config(model_path: str, revision: str | None = None, model_override_args: str | None = None) -> dict:
+    """The config SGLang serves: config.json with `--json-model-override-args` applied as
+    SGLang's get_config applies it (a dict given for a dict is merged into it, shallowly; under
+    transformers 5 `rope_scaling` and `rope_parameters` name one dict)."""
+    config = json.loads((local_model_dir(model_path, revision) / "config.json").read_text())
+    for key, value in json.loads(model_override_args or "{}").items():
+        if key in ROPE_KEYS:
+            key = next((k for k in ROPE_KEYS if isinstance(config.get(k), dict)), key)
+        current = config.get(key)
+        config[key] = {**current, **value} if isinstance(value, dict) and isinstance(current, dict) else value
+    return config
+
+
+def check_rope(model_path: str, revision: str | None = None, model_override_args: str | None = None) -> None:
     """Refuse, in one line, a model whose RoPE TokenDance cannot move between positions
     (longrope, mrope, ...): cached K is re-rotated to every reader's offset, so the rotation
-    must be exactly the one SGLang's model applies (srt/kv_copy.serving_rope_spec)."""
+    must be exactly the one SGLang's model applies (srt/kv_copy.serving_rope_spec), overrides
+    included."""
     from sglang_tokendance.server_args import TokenDanceArgsError
     from sglang_tokendance.srt.kv_copy import serving_rope_spec
 
-    config = json.loads((local_model_dir(model_path, revision) / "config.json").read_text())
     try:
-        serving_rope_spec(config)
+        serving_rope_spec(served_config(model_path, revision, model_override_args))
     except ValueError as e:
-        raise TokenDanceArgsError("--model-path", f"{model_path}: {e}, so TokenDance cannot reuse its KV at "
+        where = "--json-model-override-args" if model_override_args not in (None, "", "{}") else "--model-path"
+        raise TokenDanceArgsError(where, f"{model_path}: {e}, so TokenDance cannot reuse its KV at "
                                   "other positions; pass --disable-tokendance to serve it with SGLang's own "
                                   "caching") from None
 

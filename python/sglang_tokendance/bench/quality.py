@@ -384,10 +384,10 @@ class QualityRunner:
         for start in range(0, len(ids), chunk):
             end = min(len(ids), start + chunk)
             runs = store.chunk_runs(prompt, start, end)
-            if plans and plan is None and runs and end < len(ids):  # the first chunk that reads, not the last
-                plan, states = self.planned_selection(prompt, store, setting, options, kv, start)
-                total = replace(total, token_layers=total.token_layers + plan.token_layers)
             left = None if setting.budget is None else max(0, setting.budget - total.reused_tokens + total.kept_tokens)
+            if plans and plan is None and runs and end < len(ids):  # the first chunk that reads, not the last
+                plan, states = self.planned_selection(prompt, store, setting, options, kv, start, left)
+                total = replace(total, token_layers=total.token_layers + plan.token_layers)
             # under a planned selection the chunk recomputes its part of it, resuming the probe's states
             part = None if plan is None else \
                 plan.kept[total.reused_tokens:total.reused_tokens + sum(r.end - r.start for r in runs)]
@@ -403,16 +403,18 @@ class QualityRunner:
         return self.model.logits(hidden[-1]), kv, total
 
     def planned_selection(self, prompt: SegmentedPrompt, store: SegmentStore, setting: Setting,
-                          options: BlendOptions, kv: DenseKV, start: int) -> tuple[BlendStats, ProbeStates | None]:
+                          options: BlendOptions, kv: DenseKV, start: int, max_approximate: int | None = None
+                          ) -> tuple[BlendStats, ProbeStates | None]:
         """For a `planned` setting, the selection of the prompt from `start` on, made before the
         chunk at `start` (the first that reads) over the KV the chunks before it left (`kv`,
         not written): the kept mask of the blended prefill of the rest at `setting` (its `kept`,
-        in the order of its reused tokens), with the work of the probe that chose it
-        (token_layers), and the probe's states that the chunks' computed tokens resume (core/blend
-        `carried_states`), as the server's srt/prompt_selection makes it."""
+        in the order of its reused tokens), within what is left of its fidelity budget
+        (`max_approximate`), with the work of the probe that chose it (token_layers), and the
+        probe's states that the chunks' computed tokens resume (core/blend `carried_states`), as
+        the server's srt/prompt_selection makes it."""
         ids, scratch = prompt.input_ids, kv.clone()
         row = RequestRow(start, len(ids) - start, torch.arange(len(ids)),
-                         reused=store.chunk_runs(prompt, start, len(ids)))
+                         reused=store.chunk_runs(prompt, start, len(ids)), max_approximate=max_approximate)
         blend_options = setting.options(options)
         checked = probe(self.model, scratch, torch.tensor(ids[start:]), torch.arange(start, len(ids)), [row],
                         rule_named(setting.rule), blend_options)

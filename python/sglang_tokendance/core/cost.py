@@ -14,7 +14,9 @@ other costs of either path converted at measured rates:
 * the attention mass a rule reads (core/selection attention-kv) at the last layer of each probe
   stage: `mass` per (fresh query, reused key) pair;
 * restoring a reused token's KV into its slot before the forward (K rotated into place, V):
-  `restore` per token and layer;
+  `restore` per token and layer (dense storage); under mirror storage nothing is restored, each
+  layer gathers a reused token's K from its Master and rotates it by its shift instead: `read`
+  per token and layer;
 * a blended forward's own fixed work (stage layouts, selection, settling): `fixed` per chunk.
 
 The stages follow core/blend: the probe (layers 0..s on every token, then the screened ones to
@@ -34,13 +36,20 @@ from sglang_tokendance.core.blend import BlendOptions
 from sglang_tokendance.core.selection import kept_share
 
 
+PREFIX_QUERY_BACKENDS = ("torch_native", "tokendance")  # SGLang's CPU backend, and ours over it
+IN_PLACE_BACKEND = "tokendance"  # mirror storage's attention backend (srt/attention.py)
+
+
 @dataclass(frozen=True)
 class WorkRates:
     """Costs beyond a token-layer, in token-layers."""
 
     pair: float = 4.8e-4  # one query-key pair of one layer's attention
     mass: float = 2.7e-3  # one (fresh query, reused key) pair of a probe stage's attention mass
-    restore: float = 0.063  # restoring one reused token's KV at one layer
+    restore: float = 0.063  # restoring one reused token's KV at one layer (dense storage)
+    # reading one reused token's K at a shift in place at one layer (mirror storage): 0.26-0.32x
+    # of a restore, timed alike (K gathered and rotated vs K and V gathered, K rotated, both written)
+    read: float = 0.019
     fixed: float = 0.0  # a blended chunk's fixed work
 
 
@@ -64,6 +73,7 @@ class PrefillCost:
     attention_mass: bool  # the selection rule reads attention mass (core/selection needs_attention)
     rates: WorkRates = WorkRates()
     prefix_queries: bool = False  # SGLang's backend computes the prefix's queries too (torch_native)
+    in_place: bool = False  # reused KV read from the Masters' slots at a shift, never restored (mirror storage)
 
     def stock(self, prefix: int, tokens: int) -> float:
         """SGLang's extend: every token through every layer, causal over the row."""
@@ -77,7 +87,8 @@ class PrefillCost:
         work = sum(stage.layers * (stage.tokens + self.rates.pair * _grid_pairs(stage.tokens, row))
                    + self.rates.mass * stage.mass_pairs for stage in self.stages(tokens, reused, max_approximate))
         restored = 0 if self.options.keeps_everything else reused
-        return work + self.rates.restore * restored * self.num_layers + self.rates.fixed
+        per_token = self.rates.read if self.in_place else self.rates.restore
+        return work + per_token * restored * self.num_layers + self.rates.fixed
 
     def pays(self, prefix: int, tokens: int, reused: int, max_approximate: int | None = None) -> bool:
         """Whether blending the chunk is estimated cheaper than SGLang's own forward of it."""
@@ -106,6 +117,15 @@ class PrefillCost:
         return [Stage(o.screen_layer + 1, fresh + probed, mass),
                 Stage(o.check_layer - o.screen_layer, fresh + passed, fresh * passed if self.attention_mass else 0),
                 *caught_up, Stage(layers - o.check_layer - 1, fresh + kept)]
+
+
+def serving_cost(num_layers: int, options: BlendOptions, attention_mass: bool, backend: str | None,
+                 rates: WorkRates = WorkRates()) -> PrefillCost:
+    """The cost model of a server whose (prefill) attention backend is `backend`: torch_native
+    and the tokendance backend, which runs it for every row that reads no Master, compute the
+    prefix's queries; the tokendance backend (mirror storage) reads reused KV in place."""
+    return PrefillCost(num_layers, options, attention_mass, rates,
+                       prefix_queries=backend in PREFIX_QUERY_BACKENDS, in_place=backend == IN_PLACE_BACKEND)
 
 
 def _grid_pairs(queries: int, row: int) -> float:

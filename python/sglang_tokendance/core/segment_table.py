@@ -86,8 +86,13 @@ class SegmentTable:
 
     def holding(self, key: Hashable, ids: Sequence[int]) -> bool:
         """Whether an entry for `key` holds `ids`: a look, nothing counted or touched."""
+        return self.peek(key, ids) is not None
+
+    def peek(self, key: Hashable, ids: Sequence[int]) -> SegmentEntry | None:
+        """The entry for `key` if it holds `ids`: a look (admission's estimate, a plan of later
+        chunks), nothing counted or touched; `lookup` is the read that counts."""
         entry = self.entries.get(key)
-        return entry is not None and entry.holds(ids)
+        return entry if entry is not None and entry.holds(ids) else None
 
     def position(self, key: Hashable) -> int | None:
         """Where the Master under `key` was computed (None: none cached): a look."""

@@ -57,7 +57,7 @@ from sglang.srt.mem_cache.radix_cache import TreeNode
 from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 
 from sglang_tokendance.core.blend import BlendOptions
-from sglang_tokendance.core.cost import PrefillCost
+from sglang_tokendance.core.cost import PrefillCost, serving_cost
 from sglang_tokendance.core.recurrence import Sightings
 from sglang_tokendance.core.segment_table import SegmentEntry
 from sglang_tokendance.core.segments import segment_hash
@@ -87,7 +87,7 @@ class SegmentForest(KeptMirrors):
                  group_of: Callable[[object], Hashable | None] = lambda req: None,
                  leads: Callable[[object], bool] = lambda req: False, exact_recurrence: bool = True,
                  cost: PrefillCost | None = None, max_approximate: int | None = None, diff_threshold: float = 0.0,
-                 planned_selection: bool = True, keep_rows: bool = True):
+                 planned_selection: bool = True, probe_limit: int | None = None, keep_rows: bool = True):
         self.options = options or RequestOptionsCache()  # each request's TokenDance options, parsed once
         self.group_of = group_of  # the key of the round group a request is admitted with (srt/policy)
         self.leads = leads  # whether a request is admitted as its round's leader (srt/policy)
@@ -98,6 +98,7 @@ class SegmentForest(KeptMirrors):
         self.cost = cost  # chunks whose blending would not pay take SGLang's path (None: every match blends)
         self.max_approximate = max_approximate  # each request's fidelity budget (None: the ratio alone; kept rows too)
         self.planned_selection = planned_selection  # a chunked prompt's selection made once (srt/prompt_selection)
+        self.probe_limit = probe_limit  # the longest rest of a prompt its probe covers in one step (None: any)
         self.keeps_unnamed = keep_rows  # mirror storage: unnamed requests' rows kept too (srt/kept_mirrors)
         self.min_segment_tokens = min_segment_tokens
         self.sightings = Sightings() if exact_recurrence else None  # blocks to compute exactly where they recur
@@ -249,7 +250,7 @@ class SegmentForest(KeptMirrors):
     def _plan(self, req, state: RequestReuse) -> ChunkPlan:
         """The plan of `req`'s chunk [prefix_len, extend_end), counted (srt/reuse)."""
         plan = state.plan_chunk(self.segments, req.prefix_len, req.extend_end, self.group_of(req), self.cost,
-                                self.max_approximate, self.planned_selection)
+                                self.max_approximate, self._plans_ahead(req))
         self.metrics.count_restore(plan.hits, plan.misses)
         if plan.fell_back:
             self.metrics.count_fallback(plan.fell_back)
@@ -280,7 +281,7 @@ class SegmentForest(KeptMirrors):
         if state is None or not state.can_reuse:
             return 0
         plan = state.would_read(self.segments, req.prefix_len, len(req.origin_input_ids), self.group_of(req),
-                                self.cost, self.max_approximate, self.planned_selection)
+                                self.cost, self.max_approximate, self._plans_ahead(req))
         if not plan.runs:
             return 0
         return plan.reused_tokens - plan.own_slots(self.blend) - self.token_to_kv_pool_allocator.refs.evictable_among(
@@ -361,7 +362,7 @@ class SegmentForest(KeptMirrors):
         """The own slots `plan`'s row needs for the reused tokens it can keep (srt/reuse
         `ChunkPlan.own_slots`): a chunk that will choose for the rest of its prompt at its
         forward (planned selection) may keep up to the whole rest's share in it."""
-        if not (self.planned_selection and needs_selection(plan, self.blend)):
+        if not (self._plans_ahead(plan.request.req) and needs_selection(plan, self.blend)):
             return plan.own_slots(self.blend)
         end, prompt_len = plan.prefix_len + plan.extend_len, len(plan.request.req.origin_input_ids)
         return plan.own_slots(self.blend, plan.runs + plan.request.runs_in(self.segments, end, prompt_len).runs)
@@ -424,11 +425,19 @@ class SegmentForest(KeptMirrors):
             self._compute_in_full(in_full, forward_batch, attention)
         return plans if any(plans) else None
 
+    def _plans_ahead(self, req) -> bool:
+        """Whether `req`'s chunk may choose for the rest of its prompt (planned selection): its
+        probe runs the check layers over that rest in one step, with their scratch KV outside
+        SGLang's pool, so a rest longer than `probe_limit` (as much work as one prefill chunk
+        through every layer) selects chunk by chunk instead."""
+        rest = len(req.origin_input_ids) - req.prefix_len
+        return self.planned_selection and (self.probe_limit is None or rest <= self.probe_limit)
+
     def select_prompts(self, plans: list[ChunkPlan], layers: SGLangLayers, pool: PoolKV) -> None:
         """Planned selection (srt/prompt_selection.py): each chunk of the forward that starts its
         chunked prompt's blending chooses the recomputed tokens of the whole prompt."""
-        for plan in plans if self.planned_selection else ():
-            if needs_selection(plan, self.blend):
+        for plan in plans:
+            if self._plans_ahead(plan.request.req) and needs_selection(plan, self.blend):
                 row = self.req_to_token_pool.req_to_token[plan.pool_index]
                 plan.request.selection = select_prompt(plan, self.segments, self.storage, layers, pool, row,
                                                        self.blend, self.rule)
@@ -618,14 +627,26 @@ def build_forest(ctx: TreeCacheBuildContext, options: Callable[[object], Request
                          f"{hf_config.num_hidden_layers} layers")
     blend, rule = args.blend_options(), rule_named(args.selection)
     backend = ctx.server_args.prefill_attention_backend or ctx.server_args.attention_backend
-    cost = PrefillCost(hf_config.num_hidden_layers, blend, rule.needs_attention,
-                       prefix_queries=backend == "torch_native") if args.cost_check else None
+    cost = serving_cost(hf_config.num_hidden_layers, blend, rule.needs_attention, backend) \
+        if args.cost_check else None
     return SegmentForest(ctx.params, keys, reuse=reuse, salt=model_salt_from_env(), zero_copy=args.mirror_storage,
                          blend=blend, rule=rule,
                          min_segment_tokens=args.min_segment_tokens, options=options, group_of=group_of, leads=leads,
                          exact_recurrence=args.exact_recurrence, cost=cost,
                          max_approximate=args.approximate_budget, diff_threshold=args.diff_threshold,
-                         planned_selection=args.planned_selection, keep_rows=args.keep_rows)
+                         planned_selection=args.planned_selection,
+                         probe_limit=probe_limit(ctx.server_args.chunked_prefill_size, hf_config.num_hidden_layers,
+                                                 blend.check_layer),
+                         keep_rows=args.keep_rows)
+
+
+def probe_limit(chunked_prefill_size: int | None, num_layers: int, check_layer: int) -> int | None:
+    """The longest rest of a prompt a planned selection probes: its layers 0..check_layer over
+    that rest cost at most one prefill chunk through every layer, and their scratch KV holds
+    at most that chunk's KV (None: no chunked prefill, so no chunk ever plans ahead)."""
+    if not chunked_prefill_size or chunked_prefill_size < 0:
+        return None
+    return chunked_prefill_size * num_layers // (check_layer + 1)
 
 
 def blendable_request(req) -> bool:

@@ -24,7 +24,10 @@ superseded between chunks changes what a chunk reads at layers above c, not whic
 chosen. Under dense write-back (`--no-tokendance-sparse-writeback`) nothing is carried: the
 chunks compute their kept and fresh tokens from the first layer. The request holds the states
 until its prompt's last chunk has run: hidden size plus (c+1) layers of K and V per computed
-token, outside SGLang's KV pool.
+token, outside SGLang's KV pool. The probe runs in one scheduler step, so only a rest whose
+probe costs at most one prefill chunk through every layer is planned (srt/forest
+`probe_limit`: chunk size x layers / (c+1) tokens; its scratch then holds at most one chunk's
+KV); a longer rest is selected chunk by chunk.
 """
 
 from __future__ import annotations

@@ -160,6 +160,8 @@ class RequestReuse:
     blend: BlendOptions = BlendOptions()  # the server's blended prefill (its share, whether a chunk chooses ahead)
     credited: tuple[SegmentSpan, ...] = ()  # blocks held exactly that it would otherwise reuse: in its budget
     kept_approximate: int = 0  # approximate positions of the kept row it continues: spent of its fidelity budget
+    # the blocks computed exactly because they recur, each with its tokens past the prefix
+    recurring: tuple[tuple[SegmentSpan, int], ...] = ()
     _looked_up: set[int] = field(default_factory=set)  # spans counted as a hit or a miss
 
     @property
@@ -218,8 +220,8 @@ class RequestReuse:
         them exact; those `seen` approximate there before are credited to the recompute budget."""
         exact_until, self.credited = recurrence.exact_until, recurrence.seen
         self.reusable = [span for span in self.options.spans if span.end > exact_until]
-        self.counts.exact_recurring_tokens = sum(max(0, min(span.end, exact_until) - max(span.start, prefix_len))
-                                                 for span in self.options.spans)
+        exact = [(span, min(span.end, exact_until) - max(span.start, prefix_len)) for span in self.options.spans]
+        self.recurring = tuple((span, tokens) for span, tokens in exact if tokens > 0)
 
     def unpublished_spans(self, published: int) -> list[SegmentSpan]:
         """The spans whose exact KV did not reach the tree (it holds the row up to `published`)."""
@@ -242,6 +244,13 @@ class RequestReuse:
         it covered (a span cached since is computed) and recomputes its part of it; its cost was
         weighed when it was made."""
         plan, looked_up = self._chunk_plan(table, prefix_len, extend_end, group, cost, max_approximate, plan_ahead)
+        ids = self.req.origin_input_ids
+        if self.recurring:  # counted once, where a Master would have been read
+            self.counts.exact_recurring_tokens = sum(tokens for span, tokens in self.recurring
+                                                     if table.holding(self.key(span.hash), ids[span.start:span.end]))
+            self.recurring = ()
+        for span in map(self.reusable.__getitem__, set(looked_up) - self._looked_up):
+            table.lookup(self.key(span.hash), ids[span.start:span.end])  # read once: its hit, recency or refusal
         self._looked_up.update(looked_up)
         reused = plan.reused_tokens
         if plan.runs:
@@ -306,7 +315,7 @@ class RequestReuse:
         return plan_chunk(self.reusable, lambda span: self._lookup(table, span, ids), start, end, len(ids))
 
     def _lookup(self, table: SegmentTable, span: SegmentSpan, ids) -> tuple[SegmentEntry, int] | None:
-        entry = table.lookup(self.key(span.hash), ids[span.start:span.end])
+        entry = table.peek(self.key(span.hash), ids[span.start:span.end])
         return None if entry is None else (entry, len(entry))
 
     def drop_evicted(self, plan: ChunkPlan, table: SegmentTable) -> None:
