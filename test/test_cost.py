@@ -81,6 +81,12 @@ def test_the_servers_backend_prices_sglangs_prefix_queries_and_mirrors_reads_in_
     assert native.blended(0, 1000, 600) - mirror.blended(0, 1000, 600) == \
         pytest.approx(30 * 600 * (rates.restore - rates.read))
     assert (native.in_place, mirror.in_place, flash.prefix_queries) == (False, True, False)
+    # a chunk recomputing every reused token is a full prefill: SGLang's forward, though ours skips
+    # torch_native's prefix queries (a short extend after a long prefix)
+    assert mirror.blended(4096, 300, 200, max_approximate=0) < mirror.stock(4096, 300)
+    assert not mirror.pays(4096, 300, 200, max_approximate=0) and mirror.pays(4096, 300, 200)
+    everything = serving_cost(30, BlendOptions(recompute_ratio=1.0, check_layer=5), True, "tokendance")
+    assert everything.blended(4096, 300, 200) < everything.stock(4096, 300) and not everything.pays(4096, 300, 200)
 
 
 @settings(max_examples=200, deadline=None)

@@ -91,8 +91,13 @@ class PrefillCost:
         return work + per_token * restored * self.num_layers + self.rates.fixed
 
     def pays(self, prefix: int, tokens: int, reused: int, max_approximate: int | None = None) -> bool:
-        """Whether blending the chunk is estimated cheaper than SGLang's own forward of it."""
-        return reused > 0 and self.blended(prefix, tokens, reused, max_approximate) < self.stock(prefix, tokens)
+        """Whether blending the chunk is estimated cheaper than SGLang's own forward of it. A
+        chunk that would recompute every reused token (ratio 1, or a spent fidelity budget) keeps
+        nothing approximate: it is a full prefill, SGLang's own forward, whatever the estimate
+        (our attention skips torch_native's prefix queries; that alone is not reuse)."""
+        if reused <= 0 or kept_share(self.options.recompute_ratio, reused, max_approximate) >= 1:
+            return False
+        return self.blended(prefix, tokens, reused, max_approximate) < self.stock(prefix, tokens)
 
     def stages(self, tokens: int, reused: int, max_approximate: int | None = None, kept: int | None = None,
                adopted: int = 0) -> list[Stage]:
