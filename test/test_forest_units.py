@@ -48,10 +48,11 @@ def test_a_prompt_rest_longer_than_one_chunks_work_is_selected_chunk_by_chunk():
     """Before, a chunk planning ahead probed the whole rest of its prompt in one step, its
     scratch KV outside SGLang's pool: now only a rest whose probe costs at most one prefill
     chunk through every layer."""
-    from sglang_tokendance.srt.forest import probe_limit
+    from sglang_tokendance.srt.forest import PROBE_FLOOR_TOKENS, probe_limit
 
-    assert probe_limit(4096, 30, 8) == 4096 * 30 // 9 and probe_limit(None, 30, 8) is probe_limit(-1, 30, 8) is None
-    forest = make_forest(probe_limit=probe_limit(64, 4, 3))  # 64 tokens of rest
+    assert probe_limit(16384, 30, 8) == 16384 * 30 // 9 and probe_limit(None, 30, 8) is probe_limit(-1, 30, 8) is None
+    assert probe_limit(64, 30, 8) == probe_limit(PROBE_FLOOR_TOKENS, 30, 8)  # small chunks: at least the floor's
+    forest = make_forest(probe_limit=64)
     assert forest._plans_ahead(SimpleNamespace(origin_input_ids=[0] * 100, prefix_len=36))
     assert not forest._plans_ahead(SimpleNamespace(origin_input_ids=[0] * 100, prefix_len=35))
     assert not make_forest(planned_selection=False)._plans_ahead(SimpleNamespace(origin_input_ids=[0], prefix_len=0))

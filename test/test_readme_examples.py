@@ -2,16 +2,17 @@
 
 Each example is a ```python block whose first line is `# example: NAME`; it reads the server's
 URL from TOKENDANCE_URL and prints one `segment_hits=N reused_tokens=M ...` line per request.
-The slow tests run each in a fresh interpreter against the session's default server, emptied
+The slow tests run each as a script of its own against the session's default server, emptied
 first; the router example runs in test_router_server.py, against its router."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -27,13 +28,20 @@ def readme_examples() -> dict[str, str]:
     return {name: f"# example: {name}\n{code}" for name, code in EXAMPLE.findall(README.read_text())}
 
 
-def run_example(name: str, url: str, timeout: float = 300) -> list[tuple[int, int | None]]:
-    """Run README example `name` against `url`: (segment_hits, reused_tokens or None) per printed line."""
-    done = subprocess.run([sys.executable, "-c", readme_examples()[name]], env={**os.environ, "TOKENDANCE_URL": url},
-                          capture_output=True, text=True, timeout=timeout, cwd=README.parent)
-    assert done.returncode == 0, done.stderr[-3000:]
-    counts = re.findall(r"segment_hits=(\d+)(?: reused_tokens=(\d+))?", done.stdout)
-    assert counts, done.stdout
+def run_example(name: str, url: str) -> list[tuple[int, int | None]]:
+    """Run README example `name` against `url` as a script of its own (fresh globals, its own
+    imports; in this process, which has imported SGLang already): (segment_hits, reused_tokens or
+    None) per printed line. SGLang's frontend default backend is put back after."""
+    from sglang.lang.global_config import global_config
+
+    backend, out = global_config.default_backend, io.StringIO()
+    try:
+        with mock.patch.dict(os.environ, {"TOKENDANCE_URL": url}), contextlib.redirect_stdout(out):
+            exec(compile(readme_examples()[name], "README.md", "exec"), {"__name__": "__main__"})
+    finally:
+        global_config.default_backend = backend
+    counts = re.findall(r"segment_hits=(\d+)(?: reused_tokens=(\d+))?", out.getvalue())
+    assert counts, out.getvalue()
     return [(int(hits), int(reused) if reused else None) for hits, reused in counts]
 
 

@@ -640,13 +640,17 @@ def build_forest(ctx: TreeCacheBuildContext, options: Callable[[object], Request
                          keep_rows=args.keep_rows)
 
 
+PROBE_FLOOR_TOKENS = 8192  # the chunk a planned probe may always cost, however small SGLang's chunks
+
+
 def probe_limit(chunked_prefill_size: int | None, num_layers: int, check_layer: int) -> int | None:
     """The longest rest of a prompt a planned selection probes: its layers 0..check_layer over
-    that rest cost at most one prefill chunk through every layer, and their scratch KV holds
-    at most that chunk's KV (None: no chunked prefill, so no chunk ever plans ahead)."""
+    that rest cost at most one prefill chunk through every layer (at least PROBE_FLOOR_TOKENS:
+    small chunks still plan prompts of ordinary length), and their scratch KV holds at most that
+    chunk's KV (None: no chunked prefill, so no chunk ever plans ahead)."""
     if not chunked_prefill_size or chunked_prefill_size < 0:
         return None
-    return chunked_prefill_size * num_layers // (check_layer + 1)
+    return max(chunked_prefill_size, PROBE_FLOOR_TOKENS) * num_layers // (check_layer + 1)
 
 
 def blendable_request(req) -> bool:

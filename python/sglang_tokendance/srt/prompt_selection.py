@@ -26,8 +26,8 @@ chunks compute their kept and fresh tokens from the first layer. The request hol
 until its prompt's last chunk has run: hidden size plus (c+1) layers of K and V per computed
 token, outside SGLang's KV pool. The probe runs in one scheduler step, so only a rest whose
 probe costs at most one prefill chunk through every layer is planned (srt/forest
-`probe_limit`: chunk size x layers / (c+1) tokens; its scratch then holds at most one chunk's
-KV); a longer rest is selected chunk by chunk.
+`probe_limit`: chunk size x layers / (c+1) tokens, the chunk at least 8192 tokens; its scratch
+then holds at most one such chunk's KV); a longer rest is selected chunk by chunk.
 """
 
 from __future__ import annotations
