@@ -362,7 +362,7 @@ class SegmentForest(KeptMirrors):
         """The own slots `plan`'s row needs for the reused tokens it can keep (srt/reuse
         `ChunkPlan.own_slots`): a chunk that will choose for the rest of its prompt at its
         forward (planned selection) may keep up to the whole rest's share in it."""
-        if not (self._plans_ahead(plan.request.req) and needs_selection(plan, self.blend)):
+        if not self._chooses_ahead(plan):
             return plan.own_slots(self.blend)
         end, prompt_len = plan.prefix_len + plan.extend_len, len(plan.request.req.origin_input_ids)
         return plan.own_slots(self.blend, plan.runs + plan.request.runs_in(self.segments, end, prompt_len).runs)
@@ -433,11 +433,15 @@ class SegmentForest(KeptMirrors):
         rest = len(req.origin_input_ids) - req.prefix_len
         return self.planned_selection and (self.probe_limit is None or rest <= self.probe_limit)
 
+    def _chooses_ahead(self, plan: ChunkPlan) -> bool:
+        """Whether `plan`'s chunk chooses for the rest of its prompt at its forward."""
+        return self._plans_ahead(plan.request.req) and needs_selection(plan, self.blend)
+
     def select_prompts(self, plans: list[ChunkPlan], layers: SGLangLayers, pool: PoolKV) -> None:
         """Planned selection (srt/prompt_selection.py): each chunk of the forward that starts its
         chunked prompt's blending chooses the recomputed tokens of the whole prompt."""
         for plan in plans:
-            if self._plans_ahead(plan.request.req) and needs_selection(plan, self.blend):
+            if self._chooses_ahead(plan):
                 row = self.req_to_token_pool.req_to_token[plan.pool_index]
                 plan.request.selection = select_prompt(plan, self.segments, self.storage, layers, pool, row,
                                                        self.blend, self.rule)
