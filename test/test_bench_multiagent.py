@@ -259,7 +259,7 @@ def test_capacity_mode_finds_max_agents_under_slo(tmp_path, tiny_llama):
 
 
 def test_an_slo_search_says_whether_memory_or_compute_stopped_it():
-    from sglang_tokendance.bench_multiagent import what_stopped
+    from sglang_tokendance.bench.capacity import what_stopped
 
     held = {"under_slo": True, "fits": True}
     assert what_stopped([held, {"under_slo": False, "fits": False}]) == "memory"
@@ -268,7 +268,8 @@ def test_an_slo_search_says_whether_memory_or_compute_stopped_it():
 
 
 def test_capacity_repeats_reverse_the_modes_order_every_other_time():
-    from sglang_tokendance.bench_multiagent import mode_orders, parse_args
+    from sglang_tokendance.bench.systems import mode_orders
+    from sglang_tokendance.bench_multiagent import parse_args
 
     modes = [MODES["radix"], MODES["tokendance"], MODES["tokendance-mirror"]]
     orders = [[m.name for m in order] for order in mode_orders(modes, 3)]
@@ -302,7 +303,7 @@ def test_capacity_fit_finds_the_most_agents_live_at_once_at_the_kv_budget(tmp_pa
 
 def test_a_round_fits_when_every_request_was_live_at_once_and_none_was_retracted():
     from sglang_tokendance.bench.multiagent import RequestRecord
-    from sglang_tokendance.bench_multiagent import fit_probe
+    from sglang_tokendance.bench.capacity import fit_probe
 
     def request(round_index, ttft, latency):
         return RequestRecord(0, round_index, 0, ttft, latency, 100, 0, 8, 0, "")
@@ -322,7 +323,8 @@ def test_a_round_fits_when_every_request_was_live_at_once_and_none_was_retracted
 
 
 def test_the_agent_search_stops_at_the_first_count_that_does_not_hold():
-    from sglang_tokendance.bench_multiagent import most_agents, parse_args
+    from sglang_tokendance.bench.capacity import most_agents
+    from sglang_tokendance.bench_multiagent import parse_args
 
     tried = []
 

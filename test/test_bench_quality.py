@@ -8,11 +8,12 @@ from dataclasses import replace
 
 import pytest
 
-from sglang_tokendance.bench.quality import (FULL, MASTER_CHOICES, ORACLE, PLAIN, GroupBatch, QualityConfig,
-                                             QualityRunner, Setting, common_prefix, evaluate_group,
-                                             evaluate_master_choice, evaluate_prompt, group_references, group_settings,
-                                             entropy_rows, kl_top, master_stores, measure_chunked, measure_divergence,
-                                             medoid, segment_copies, summarize, top_margin)
+from sglang_tokendance.bench.quality import (FULL, ORACLE, PLAIN, QualityConfig, QualityRunner, Setting, common_prefix,
+                                             evaluate_prompt, entropy_rows, kl_top, top_margin)
+from sglang_tokendance.bench.quality_experiments import (MASTER_CHOICES, GroupBatch, evaluate_group,
+                                                         evaluate_master_choice, group_references, group_settings,
+                                                         master_stores, measure_chunked, measure_divergence, medoid,
+                                                         segment_copies, summarize)
 from sglang_tokendance.bench.quality_server import Workload
 from sglang_tokendance.bench.workloads import make_simulation, preset_config
 from sglang_tokendance.bench.tiny_models import write_tiny_model
@@ -59,7 +60,7 @@ def test_teacher_forced_decode_steps_are_decode_steps(runner):
     """One extend of the forced tokens gives each decode step's logits, as one-token steps do."""
     import torch
 
-    from sglang_tokendance.core.blend import BlendOptions
+    from sglang_tokendance.core.blend_types import BlendOptions
 
     ids = runner.segment_ids("The council met on Friday to talk about the flooded mill and the north road.")
     kv = runner.new_kv(len(ids) + 8)
@@ -110,7 +111,7 @@ def test_a_round_leaders_blocks_become_the_masters_its_followers_read(runner):
     follower reads them and is charged its share of the leader's prefill."""
     import torch
 
-    from sglang_tokendance.core.blend import BlendOptions
+    from sglang_tokendance.core.blend_types import BlendOptions
 
     sim = make_simulation(preset_config("generative_agents", num_agents=3, num_rounds=1, history_words=20,
                                         block_words=25, max_new_tokens=6))

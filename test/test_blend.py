@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from sglang_tokendance.bench.hf_layerwise import HFLayerwise, full_prefill
 from sglang_tokendance.core.dense_kv import DenseKV
-from sglang_tokendance.core.blend import BlendOptions, RequestRow, blended_prefill, finish, probe, select
+from sglang_tokendance.core.blend import blended_prefill, finish, probe, select
+from sglang_tokendance.core.blend_types import BlendOptions, RequestRow
 from sglang_tokendance.core.rope import RopeSpec, rotate, unrotate
 from sglang_tokendance.core.selection import (RULES, ReusedSegment, credited_allowance, fixed_scores, kept_share,
                                               most_kept, rule_named, select_kept)

@@ -18,8 +18,8 @@ import torch
 
 from sglang_tokendance.bench.hf_layerwise import HFLayerwise, full_prefill
 from sglang_tokendance.core.dense_kv import DenseKV
-from sglang_tokendance.core.blend import (BlendOptions, ReusedRun, RequestRow, blended_prefill, carried_states, probe,
-                                          select)
+from sglang_tokendance.core.blend import blended_prefill, carried_states, probe, select
+from sglang_tokendance.core.blend_types import BlendOptions, ReusedRun, RequestRow
 from sglang_tokendance.core.rope import RopeSpec, rerotate
 from sglang_tokendance.core.rope_attention import ShiftedReads
 from sglang_tokendance.core.slot_frames import SlotFrames

@@ -13,7 +13,8 @@ import torch
 
 from sglang_tokendance.bench.hf_layerwise import HFLayerwise, full_prefill
 from sglang_tokendance.core.dense_kv import DenseKV
-from sglang_tokendance.core.blend import BlendOptions, ReusedRun, RequestRow, blended_prefill
+from sglang_tokendance.core.blend import blended_prefill
+from sglang_tokendance.core.blend_types import BlendOptions, ReusedRun, RequestRow
 from sglang_tokendance.core.collective import GroupRun, share_runs
 from sglang_tokendance.core.rope import RopeSpec, rotate, unrotate
 from sglang_tokendance.core.selection import ReusedSegment, rule_named, select_kept

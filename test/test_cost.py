@@ -9,7 +9,8 @@ from hypothesis import given, settings, strategies as st
 from sglang_tokendance.bench.hf_layerwise import HFLayerwise
 from sglang_tokendance.core.dense_kv import DenseKV
 from sglang_tokendance.bench.tiny_models import tiny_layerwise
-from sglang_tokendance.core.blend import BlendOptions, RequestRow, blended_prefill
+from sglang_tokendance.core.blend import blended_prefill
+from sglang_tokendance.core.blend_types import BlendOptions, RequestRow
 from sglang_tokendance.core.cost import PrefillCost, WorkRates
 from sglang_tokendance.core.selection import rule_named
 

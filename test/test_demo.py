@@ -6,6 +6,7 @@ import re
 
 import pytest
 
+from conftest import emptied
 from sglang_tokendance import demo
 from sglang_tokendance.bench.multiagent import RequestRecord, RoundRecord, RunResult
 from sglang_tokendance.demo import round_rows
@@ -29,7 +30,15 @@ def test_round_rows_sum_each_rounds_requests():
 
 
 @pytest.mark.slow
-def test_the_main_command_shows_reuse_against_stock_in_one_run(smollm2_path, capsys):
+def test_the_main_command_shows_reuse_against_stock_in_one_run(default_server_url, capsys, monkeypatch):
+    """The TokenDance side runs on the session's server with the defaults (the demo's own
+    flags: none), emptied first; the --disable-tokendance side on a server the demo starts."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    start = demo.ServerProcess
+    monkeypatch.setattr(demo, "ServerProcess", lambda argv, **kw: nullcontext(SimpleNamespace(
+        url=emptied(default_server_url))) if not argv else start(argv, **kw))
     demo.main(["--num-agents", "3", "--num-rounds", "2", "--max-new-tokens", "16"])
     out = capsys.readouterr().out
     assert out.count("The capital of France is Paris") == 2  # the smoke check, on both servers

@@ -48,15 +48,16 @@ def test_a_prompt_rest_longer_than_one_chunks_work_is_selected_chunk_by_chunk():
     """Before, a chunk planning ahead probed the whole rest of its prompt in one step, its
     scratch KV outside SGLang's pool: now only a rest whose probe costs at most one prefill
     chunk through every layer."""
-    from sglang_tokendance.srt.forest import PROBE_FLOOR_TOKENS, probe_limit
+    from sglang_tokendance.srt.batch_reuse import PROBE_FLOOR_TOKENS, probe_limit
 
     assert probe_limit(16384, 30, 8) == 16384 * 30 // 9 and probe_limit(None, 30, 8) is probe_limit(-1, 30, 8) is None
     assert probe_limit(64, 30, 8) == probe_limit(PROBE_FLOOR_TOKENS, 30, 8)  # small chunks: at least the floor's
     forest = make_forest(probe_limit=64)
-    assert forest._plans_ahead(SimpleNamespace(origin_input_ids=[0] * 100, prefix_len=36))
-    assert not forest._plans_ahead(SimpleNamespace(origin_input_ids=[0] * 100, prefix_len=35))
-    assert not make_forest(planned_selection=False)._plans_ahead(SimpleNamespace(origin_input_ids=[0], prefix_len=0))
-    assert make_forest()._plans_ahead(SimpleNamespace(origin_input_ids=[0] * 10 ** 6, prefix_len=0))
+    assert forest.batch._plans_ahead(SimpleNamespace(origin_input_ids=[0] * 100, prefix_len=36))
+    assert not forest.batch._plans_ahead(SimpleNamespace(origin_input_ids=[0] * 100, prefix_len=35))
+    unplanned = make_forest(planned_selection=False).batch
+    assert not unplanned._plans_ahead(SimpleNamespace(origin_input_ids=[0], prefix_len=0))
+    assert make_forest().batch._plans_ahead(SimpleNamespace(origin_input_ids=[0] * 10 ** 6, prefix_len=0))
 
 
 def add_leaf(forest, ids: list[int], first_slot: int, accessed: float, created: float):
@@ -252,7 +253,7 @@ def test_admissions_look_at_segments_touches_nothing_and_the_plan_reads_each_onc
 def test_blocks_recurrence_makes_exact_stay_in_the_budget_of_the_blocks_still_reused():
     """Before, a block computed exactly left the pool of the request's recompute share: the
     blocks it still reused kept fewer recomputed tokens than with exact recurrence off."""
-    from sglang_tokendance.core.blend import BlendOptions
+    from sglang_tokendance.core.blend_types import BlendOptions
     from sglang_tokendance.core.recurrence import Sightings
     from sglang_tokendance.core.selection import kept_share
     from sglang_tokendance.srt.reuse import RequestReuse, namespace_of
@@ -391,7 +392,7 @@ def mirror_forest(size: int = 64, rows: int = 4, diff_threshold: float = 0.0):
     reused tokens (3 of 12: its own slots there)."""
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
-    from sglang_tokendance.core.blend import BlendOptions
+    from sglang_tokendance.core.blend_types import BlendOptions
     from sglang_tokendance.core.rope import RopeSpec
     from sglang_tokendance.srt.forest import SegmentForest
     from sglang_tokendance.srt.kv_copy import PoolKeys
@@ -435,7 +436,7 @@ def allocated_req(forest, pool_index: int, spans: list[SegmentSpan], prompt_len:
 def allocation(forest, reqs: list):
     """SGLang's allocation of the batch `reqs` (alloc_for_extend at page size 1: one
     alloc_token_slots call, through our AROUND hook, evicting as it must; the rows written
-    from its slots), for restore_segments; returns the slots (out_cache_loc)."""
+    from its slots), for BatchReuse.restore; returns the slots (out_cache_loc)."""
     from sglang.srt.mem_cache.allocation import alloc_token_slots
 
     from sglang_tokendance.srt.forest import allocate_after_reads
@@ -454,7 +455,7 @@ def allocation(forest, reqs: list):
 
 def restore(forest, reqs: list) -> torch.Tensor:
     """Plan, allocate and read in the batch `reqs` as SGLang's prepare_for_extend would."""
-    return forest.restore_segments(SimpleNamespace(reqs=reqs), allocation(forest, reqs))
+    return forest.batch.restore(SimpleNamespace(reqs=reqs), allocation(forest, reqs))
 
 
 def release(forest, req, prompt_len: int) -> None:
@@ -484,7 +485,7 @@ def test_zero_copy_rows_read_one_master_at_different_offsets_and_free_only_their
     assert allocator.available_size() == 64 - 12 - 2 * (8 + 3)  # 22 slots for 40 prompt tokens
     assert torch.equal(rows[1, 2:14].long(), master) and torch.equal(rows[2, 5:17].long(), master)  # shared
     assert not out[2:14].any() and not out[20 + 5:20 + 17].any()  # SGLang's forward writes no Master slot
-    plans = {i: forest.planned[i] for i in (1, 2)}
+    plans = {i: forest.batch.planned[i] for i in (1, 2)}
     own = {i: plans[i].own.clone() for i in (1, 2)}
     assert own[1].numel() == own[2].numel() == 3
     assert not torch.isin(torch.cat([own[1], own[2]]), rows[1:3, :20].long()).any()  # aside, in no row yet
@@ -496,8 +497,8 @@ def test_zero_copy_rows_read_one_master_at_different_offsets_and_free_only_their
     kept[[0, 5]] = True  # the blended prefill recomputed two of the first reader's tokens
     free_before = allocator.available_size()
     # the second reads the Master everywhere (ratio 0)
-    forest.settle([forest.planned.pop(1), forest.planned.pop(2)], torch.cat([kept, torch.zeros(12, dtype=torch.bool)]),
-                  None)
+    forest.batch.settle([forest.batch.planned.pop(1), forest.batch.planned.pop(2)],
+                        torch.cat([kept, torch.zeros(12, dtype=torch.bool)]), None)
     assert rows[1, 2] == own[1][0] and rows[1, 7] == own[1][1] and torch.equal(rows[1, 3:7].long(), master[1:5])
     assert allocator.available_size() == free_before + 1 + 3  # every own slot no kept token took
     assert busy_check() == 64
@@ -515,7 +516,7 @@ def test_zero_copy_rows_read_one_master_at_different_offsets_and_free_only_their
 
 @pytest.mark.parametrize("after_a_cache_reset", [False, True])
 def test_a_forward_that_computes_everything_gives_every_reused_position_its_own_slot_back(after_a_cache_reset):
-    """A planned row whose forward cannot blend (never expected: restore_segments plans no such
+    """A planned row whose forward cannot blend (never expected: BatchReuse.restore plans no such
     batch), or whose plan outlived a forward that never ran: every reused position gets a slot
     of its own (its kept-token slots, then new ones, frames recorded) and drops its Master; the
     forward's out_cache_loc writes there, never to a Master or the padding slot, and the
@@ -535,7 +536,7 @@ def test_a_forward_that_computes_everything_gives_every_reused_position_its_own_
     backend = SimpleNamespace(init_forward_metadata=lambda fb: metadata.append(rows[1, :16].long().clone()))
     batch = SimpleNamespace(req_pool_indices_cpu=torch.tensor([1]), extend_prefix_lens_cpu=[0],
                             extend_seq_lens_cpu=[16], out_cache_loc=out.clone())
-    assert forest.take_plans(batch, False, backend) is None and not forest.planned  # SGLang's forward runs
+    assert forest.batch.take_plans(batch, False, backend) is None and not forest.batch.planned  # SGLang's forward runs
     assert torch.equal(rows[1, :16].long(), batch.out_cache_loc.long()) and forest.stats()["row_references"] == 0
     assert batch.out_cache_loc.all() and not torch.isin(batch.out_cache_loc, master).any()
     assert torch.equal(allocator.frames.frame[batch.out_cache_loc[:12]], torch.arange(12, dtype=torch.int32))
@@ -544,7 +545,7 @@ def test_a_forward_that_computes_everything_gives_every_reused_position_its_own_
     assert req.customized_info[REUSE_INFO_KEY][0]["recomputed_tokens"] == 12
     stale = reading_req(forest, 2, [SegmentSpan(0, 12, "a")], 16)
     restore(forest, [stale])  # planned, and its forward never ran
-    forest.restore_segments(SimpleNamespace(reqs=[]), lambda: None)
+    forest.batch.restore(SimpleNamespace(reqs=[]), lambda: None)
     assert torch.isin(rows[2, :16].long(), master).sum() == 0 and forest.stats()["pinned_segments"] == 0
     release(forest, req, 16)
     release(forest, stale, 16)
@@ -569,18 +570,18 @@ def test_a_batch_short_of_slots_gives_up_first_the_reads_its_admission_did_not_c
         allocator.free(author)  # the Masters alone hold their slots
     other = reading_req(forest, 0, [SegmentSpan(0, 12, "a")], 20)
     restore(forest, [other])
-    forest.settle([forest.planned.pop(0)], None, None)  # it reads "a" (pinned) for as long as it lives
+    forest.batch.settle([forest.batch.planned.pop(0)], None, None)  # it reads "a" (pinned) for as long as it lives
     assert (allocator.available_size(), forest.evictable_size()) == (32, 12)  # "b" alone evictable
     reader = reading_req(forest, 1, [SegmentSpan(0, 12, "a")], 20)
-    assert forest.admit(reader) == 12 - 3  # charged 8 fresh + 3 own
+    assert forest.batch.admit(reader) == 12 - 3  # charged 8 fresh + 3 own
     late = reading_req(forest, 2, [SegmentSpan(0, 12, "b")], 32)  # charged its 32
     restore(forest, [reader, late])
     master_a = forest.segments.entries[((None, None), "a")].slots
-    assert torch.equal(rows[1, :12].long(), master_a) and forest.planned[1].own.numel() == 3  # still reads
+    assert torch.equal(rows[1, :12].long(), master_a) and forest.batch.planned[1].own.numel() == 3  # still reads
     assert forest.requests[late].counts.computed_tokens == 32  # the late row computes its chunk, as SGLang charged
     assert ((None, None), "b") not in forest.segments.entries and allocator.available_size() == 44 - 43  # evicted
     assert rows[2, :32].unique().numel() == 32
-    forest.settle([forest.planned.pop(1)], None, None)
+    forest.batch.settle([forest.batch.planned.pop(1)], None, None)
     assert forest.stats()["pinned_segments"] == 1 and forest.evictable_size() == 0
 
 
@@ -595,7 +596,7 @@ def test_a_plan_met_by_another_chunk_is_refused():
                             extend_seq_lens_cpu=[10], out_cache_loc=out[:10].clone())
     with pytest.raises(RuntimeError, match=r"planned the chunk \[0, \+16\) of a request whose forward computes "
                                            r"\[0, \+10\)"):
-        forest.take_plans(batch, True, None)
+        forest.batch.take_plans(batch, True, None)
 
 
 def leaf_held_by_a_master(forest, key: str, accessed: float):
@@ -616,7 +617,7 @@ def test_a_master_shared_with_the_tree_is_counted_once_and_outlives_the_trees_le
     assert forest.evictable_size() == 10 and 64 - allocator.available_size() == 10  # one slot, one count
     reader = reading_req(forest, 1, [SegmentSpan(0, 10, "t")], 12)
     restore(forest, [reader])
-    forest.settle([forest.planned.pop(1)], None, None)
+    forest.batch.settle([forest.batch.planned.pop(1)], None, None)
     assert forest.evictable_size() == 0  # the tree's leaf is evictable, but its slots stay with the reader
     assert allocator.available_size() + forest.evictable_size() + forest.protected_size() + 12 == 64
     assert forest.evict(EvictParams(num_tokens=5)).num_tokens_evicted == 0
@@ -643,15 +644,15 @@ def test_allocating_a_mirror_batch_never_evicts_the_masters_it_reads():
     filler = allocator.alloc(31)  # a live request's: 5 slots are free
     req = reading_req(forest, 1, [SegmentSpan(2, 14, "read")], 20)
     restore(forest, [req])  # 8 fresh + 3 own slots: the leaf and "other" go
-    assert list(forest.segments.entries) == [((None, None), "read")] and forest.planned[1].runs
-    forest.settle([forest.planned.pop(1)], None, None)
+    assert list(forest.segments.entries) == [((None, None), "read")] and forest.batch.planned[1].runs
+    forest.batch.settle([forest.batch.planned.pop(1)], None, None)
     release(forest, req, 20)
 
     allocator.free(filler)
     filler = allocator.alloc(64 - 12 - 10)  # 10 free, the Master alone evictable: 11 do not fit beside it
     req = reading_req(forest, 1, [SegmentSpan(2, 14, "read")], 20)
     restore(forest, [req])
-    assert not forest.segments.entries and 1 not in forest.planned  # nothing else left: computed
+    assert not forest.segments.entries and 1 not in forest.batch.planned  # nothing else left: computed
     counts = req.customized_info[REUSE_INFO_KEY][0]
     assert (counts["reused_tokens"], counts["computed_tokens"]) == (0, 20)
     assert forest.stats()["row_references"] == 0 and allocator.available_size() == 2
@@ -684,13 +685,14 @@ def test_allocating_a_dense_batch_evicts_the_segments_it_will_read_last():
     batch = SimpleNamespace(reqs=[req], tree_cache=forest)
     assert restore_after_allocation(prepare_for_extend, batch, 12) == "allocated"
     assert evicted == [4 + 12] and list(forest.segments.entries) == [((None, None), "read")]  # leaf, then other
-    assert [run.master.key for run in forest.planned[1].runs] == [((None, None), "read")] and not forest.wanted
-    forest.settle([forest.planned.pop(1)], None, None)
+    assert [run.master.key for run in forest.batch.planned[1].runs] == [((None, None), "read")]
+    assert not forest.batch.wanted
+    forest.batch.settle([forest.batch.planned.pop(1)], None, None)
     release(forest, req, 20)
 
     req = allocated_req(forest, 1, [SegmentSpan(2, 14, "read")], 20)
     restore_after_allocation(prepare_for_extend, SimpleNamespace(reqs=[req], tree_cache=forest), 1000)
-    assert evicted[-1] == 12 and not forest.segments.entries and 1 not in forest.planned  # nothing else left
+    assert evicted[-1] == 12 and not forest.segments.entries and 1 not in forest.batch.planned  # nothing else left
     counts = req.customized_info[REUSE_INFO_KEY][0]
     assert (counts["reused_tokens"], counts["computed_tokens"]) == (0, 20)  # the run it planned is computed
     release(forest, req, 20)
@@ -724,7 +726,7 @@ def test_a_kept_row_is_matched_by_its_agent_alone_and_counted_once_per_slot():
     table = forest.req_to_token_pool.req_to_token
     allocator.free(table[1, :6].to(torch.int64))  # as SGLang's checkpoint: the row now reads the tree's slots
     table[1, :6] = forest.evictable_leaves.copy().pop().value.to(torch.int32)
-    forest.keep_for_agent(row, "a", 20)
+    forest.kept.keep_for_agent(row, "a", 20)
     allocator.free(table[1, 6:20].to(torch.int64))  # SGLang frees the row past its tree prefix
     forest.on_release(row, checkpointed=True)  # its own slots 6..19 stay with the kept path
     stats = forest.stats()
@@ -733,7 +735,7 @@ def test_a_kept_row_is_matched_by_its_agent_alone_and_counted_once_per_slot():
     assert (matched("a", tokens + [1]), matched("b", tokens + [1]), matched(None, tokens + [1])) == (20, 6, 6)
 
     other = finished("a", tokens[:10] + [7, 7], 2)  # the same first tokens, computed again into other slots
-    forest.keep_for_agent(other, "a", 12)
+    forest.kept.keep_for_agent(other, "a", 12)
     release(forest, other, 12)
     assert forest.stats()["agent_rows_kept"] == 1 and 64 - allocator.available_size() == 20
 
@@ -770,20 +772,20 @@ def test_an_unnamed_row_is_kept_for_any_request_with_segments_that_repeats_it():
 
     row = allocated_req(forest, 1, [], 20)
     row.__dict__.update(full_untruncated_fill_ids=array("q", tokens), priority=None)
-    assert forest.keeps(options_of(row))
-    forest.keep_for_agent(row, None, 20)
+    assert forest.kept.keeps(options_of(row))
+    forest.kept.keep_for_agent(row, None, 20)
     release(forest, row, 20)
     block = [SegmentSpan(8, 18, "b")]
     assert (matched(block), matched([]), matched(block, agent="a")) == (20, 0, 0)
     frames = allocator.frames
     frames.record(table[1, :20].to(torch.int64), torch.arange(20))  # written where it stands: exact KV
     frames.record(table[1, 8:18].to(torch.int64), torch.arange(30, 40))  # a Master read at a shift: approximate
-    assert forest.approximate_positions(forest.match_prefix(MatchPrefixParams(
+    assert forest.kept.approximate_positions(forest.match_prefix(MatchPrefixParams(
         key=RadixKey(array("q", tokens)), req=reading_req(forest, 3, block, 0))).last_device_node) == 10
     assert (matched(block, max_approximate_tokens=10), matched(block, max_approximate_tokens=9)) == (20, 0)
     assert forest.stats()["agent_rows_kept"] == 1 and 64 - allocator.available_size() == 20
-    forest.keeps_unnamed = False  # --no-tokendance-keep-rows
-    assert not forest.keeps(options_of(row)) and matched(block) == 0
+    forest.kept.keeps_unnamed = False  # --no-tokendance-keep-rows
+    assert not forest.kept.keeps(options_of(row)) and matched(block) == 0
 
 
 def dense_forest(size: int = 16):
@@ -849,12 +851,12 @@ def test_a_round_leaders_blocks_supersede_a_master_that_live_rows_still_read():
     old = forest.segments.entries[key]
     reader = reading_req(forest, 1, [SegmentSpan(2, 14, "a")], 20)
     restore(forest, [reader])
-    forest.settle([forest.planned.pop(1)], None, None)  # the reader reads all 12 of the Master's slots
+    forest.batch.settle([forest.batch.planned.pop(1)], None, None)  # the reader reads all 12 of the Master's slots
     forest.leads = lambda req: True
     leader = reading_req(forest, 2, [SegmentSpan(4, 16, "a")], 20)
     restore(forest, [leader])
     state = forest.requests[leader]
-    assert state.leads and not forest.planned and state.counts.reused_tokens == 0  # computed exactly
+    assert state.leads and not forest.batch.planned and state.counts.reused_tokens == 0  # computed exactly
     forest.insert_segments(leader, state, up_to=20)
     new = forest.segments.entries[key]
     assert new is not old and torch.equal(new.slots, rows[2, 4:16].long()) and state.counts.round_master_tokens == 12
@@ -867,7 +869,7 @@ def test_a_round_leaders_blocks_supersede_a_master_that_live_rows_still_read():
     follower = reading_req(forest, 3, [SegmentSpan(0, 12, "a")], 14)
     restore(forest, [follower])
     assert torch.equal(rows[3, :12].long(), new.slots)  # later readers read the leader's KV
-    forest.settle([forest.planned.pop(3)], None, None)
+    forest.batch.settle([forest.batch.planned.pop(3)], None, None)
     release(forest, reader, 20)
     assert forest.storage.retired == [] and not allocator.refs.refs[old.slots].any()  # freed with its last reader
     release(forest, follower, 14)
@@ -929,7 +931,7 @@ def test_recomputed_kv_within_the_diff_threshold_of_its_master_is_not_kept():
     allocator.free(author)
     reader = reading_req(forest, 1, [SegmentSpan(2, 14, "a")], 20)  # reads the Master at shift +2
     restore(forest, [reader])
-    plan = forest.planned.pop(1)
+    plan = forest.batch.planned.pop(1)
     own = plan.own.clone()
     # what the blended prefill wrote for its two kept tokens (its first two own slots): nearly the
     # Master's KV, and far from it
@@ -938,7 +940,7 @@ def test_recomputed_kv_within_the_diff_threshold_of_its_master_is_not_kept():
     kept = torch.zeros(12, dtype=torch.bool)
     kept[[0, 5]] = True
     free_before = allocator.available_size()
-    forest.settle([plan], kept, None)
+    forest.batch.settle([plan], kept, None)
     master = forest.segments.entries[((None, None), "a")].slots
     assert rows[1, 2] == master[0] and rows[1, 7] == own[1]
     assert allocator.available_size() == free_before + 2  # every own slot but token 5's
@@ -967,7 +969,7 @@ def test_slots_freed_after_a_mirror_forward_reopen_sglangs_admission_once():
     assert running.batch_is_full  # nothing freed yet: the row holds its own slots until its forward ran
     kept = torch.zeros(12, dtype=torch.bool)
     kept[:2] = True
-    forest.settle([forest.planned.pop(1)], kept, None)
+    forest.batch.settle([forest.batch.planned.pop(1)], kept, None)
     runtime.reopen_admission(None, running)
     assert not running.batch_is_full  # an own slot no kept token took came free
     running.batch_is_full = True  # SGLang's pass found the pool still short
@@ -1026,7 +1028,7 @@ def test_a_reader_admitted_is_charged_the_slots_it_will_allocate_and_holds_its_m
     assert runtime.admit(add_one_req, adder, reader, False, None) == AddReqResult.CONTINUE
     # charged its 8 fresh + 3 own slots (and SGLang's page and decode headroom), the Master no longer evictable
     assert before - budget.remaining_total == (8 + 3 + 1 + 8) + 12
-    assert forest.evictable_size() == 0 and forest.reads_admitted(reader)
+    assert forest.evictable_size() == 0 and forest.batch.reads_admitted(reader)
     wants_hidden = reading_req(forest, 2, [], 10)
     wants_hidden.return_hidden_states = True
     assert runtime.admit(add_one_req, adder, wants_hidden, False, None) == AddReqResult.OTHER
@@ -1036,7 +1038,7 @@ def test_a_reader_admitted_is_charged_the_slots_it_will_allocate_and_holds_its_m
     assert free_before - allocator.available_size() == 8 + 3  # what stayed reserved
     counts = forest.requests[reader].counts
     assert (counts.reused_tokens, counts.segment_hits) == (12, 1)  # planned once
-    forest.settle([forest.planned.pop(1)], None, None)
+    forest.batch.settle([forest.batch.planned.pop(1)], None, None)
 
     adder, budget = pass_()  # a request that cannot blend first: the reader after it pays SGLang's charge
     assert runtime.admit(add_one_req, adder, wants_hidden, False, None) == AddReqResult.CONTINUE
@@ -1045,11 +1047,11 @@ def test_a_reader_admitted_is_charged_the_slots_it_will_allocate_and_holds_its_m
     assert asked[-1] == 16 + 8  # SGLang's check: it would not be credited either
     before = budget.remaining_total
     runtime.admit(add_one_req, adder, second, False, None)
-    assert before - budget.remaining_total == 16 + 1 + 8 and not forest.reads_admitted(second)
+    assert before - budget.remaining_total == 16 + 1 + 8 and not forest.batch.reads_admitted(second)
     restore(forest, [wants_hidden, second])
     master = forest.segments.entries[((None, None), "a")].slots
     rows = forest.req_to_token_pool.req_to_token
-    assert not forest.planned and not torch.isin(rows[3, :16].long(), master).any()  # SGLang's forward
+    assert not forest.batch.planned and not torch.isin(rows[3, :16].long(), master).any()  # SGLang's forward
     for req, n in ((reader, 20), (wants_hidden, 10), (second, 16)):
         release(forest, req, n)
     assert forest.stats()["row_references"] == 0 and forest.evictable_size() == 12 == 64 - allocator.available_size()

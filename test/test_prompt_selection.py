@@ -13,7 +13,8 @@ import torch
 
 from sglang_tokendance.bench.hf_layerwise import HFLayerwise, full_prefill
 from sglang_tokendance.bench.tiny_models import tiny_layerwise
-from sglang_tokendance.core.blend import BlendOptions, RequestRow, ReusedRun, probe, select
+from sglang_tokendance.core.blend import probe, select
+from sglang_tokendance.core.blend_types import BlendOptions, RequestRow, ReusedRun
 from sglang_tokendance.core.dense_kv import DenseKV
 from sglang_tokendance.core.rope import RopeSpec, rerotate, unrotate
 from sglang_tokendance.core.segment_table import SegmentTable

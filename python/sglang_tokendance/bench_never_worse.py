@@ -41,7 +41,7 @@ from sglang_tokendance.bench.machine import idle_check
 from sglang_tokendance.bench.multiagent import MODES
 from sglang_tokendance.bench.server_process import ServerProcess, flush_cache
 from sglang_tokendance.bench.workloads import PRESETS, WorkloadConfig
-from sglang_tokendance.bench_multiagent import run, warm_up
+from sglang_tokendance.bench.systems import run, warm_up
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from sglang_tokendance.core.blend import GROUP_SELECTIONS, BlendOptions
+from sglang_tokendance.core.blend_types import GROUP_SELECTIONS, BlendOptions
 from sglang_tokendance.core.content_chunks import ChunkRule
 from sglang_tokendance.core.segments import DEFAULT_SEPARATOR
 from sglang_tokendance.core.selection import GRANULARITIES, RULES

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from sglang_tokendance.core.blend import BlendOptions, RequestRow, blended_prefill
+from sglang_tokendance.core.blend import blended_prefill
+from sglang_tokendance.core.blend_types import BlendOptions, RequestRow
 from sglang_tokendance.core.dense_kv import DenseKV
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")

@@ -30,7 +30,7 @@ import requests as requests_lib
 
 from sglang_tokendance.bench.workloads import (Simulation, WorkloadConfig, join_pieces, make_simulation,
                                                message_block, stand_in_messages)
-from sglang_tokendance.core.blend import BlendOptions
+from sglang_tokendance.core.blend_types import BlendOptions
 from sglang_tokendance.core.segments import DEFAULT_SEPARATOR
 from sglang_tokendance.routing import ROUTING_HEADER, options_label
 

@@ -21,7 +21,7 @@ from typing import Iterator
 
 # (category, regex on a frame's function name), by priority
 OPERATIONS = [
-    ("segment restore copy (before the forward)", r"restore_segments"),
+    ("segment restore copy (before the forward)", r"^restore$"),
     ("attention mass (before: its own second pass; after: from the pass's log-sum-exp)",
      r"^attention_received$|^attention_mass$"),
     ("selection scoring + top-r", r"^select_kept$|^_attention_kv$|deviation$|^<lambda>$"),
@@ -37,7 +37,7 @@ OPERATIONS = [
     ("other in the forward (Python / host)", r"blended_prefill|^model_forward$|Model\.forward$"),
 ]
 PHASES = [
-    ("segment restore copy (before the forward)", r"restore_segments"),
+    ("segment restore copy (before the forward)", r"^restore$"),
     ("selection (screen + check)", r"^select_kept$|^select$|^_attention_kv$|deviation$|^_screen_out$"),
     ("write-back (as above)", r"^_restore_cached$|^_drop_tracked$|^_write_probe_kv$"),
     ("probe layers 0..c (screen included)", r"^_probe_layers$"),

@@ -42,7 +42,7 @@ from tqdm import tqdm
 from sglang_tokendance.bench.quality import (CONTENT_ENTROPY, FULL, PLAIN, Lead, QualityRunner, SegmentStore, Setting,
                                              common_prefix, entropy_rows, kl_rows, mean_or_none)
 from sglang_tokendance.bench.workloads import PRESETS, Simulation, make_simulation, preset_config
-from sglang_tokendance.core.blend import BlendOptions
+from sglang_tokendance.core.blend_types import BlendOptions
 from sglang_tokendance.core.segments import SegmentedPrompt
 from sglang_tokendance.bench.server_process import flush_cache
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from sglang_tokendance.core.attention import CAUSAL_SHARE
-from sglang_tokendance.core.blend import BlendOptions
+from sglang_tokendance.core.blend_types import BlendOptions
 from sglang_tokendance.core.selection import kept_share
 
 

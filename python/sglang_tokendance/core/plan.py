@@ -23,7 +23,7 @@ from typing import Callable, Generic, Sequence, TypeVar
 
 import torch
 
-from sglang_tokendance.core.blend import ProbeStates
+from sglang_tokendance.core.blend_types import ProbeStates
 from sglang_tokendance.core.segments import SegmentSpan
 
 Master = TypeVar("Master")

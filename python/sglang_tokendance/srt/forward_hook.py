@@ -16,7 +16,8 @@ as recomputed.
 from __future__ import annotations
 
 
-from sglang_tokendance.core.blend import RequestRow, blended_prefill
+from sglang_tokendance.core.blend import blended_prefill
+from sglang_tokendance.core.blend_types import RequestRow
 from sglang_tokendance.srt.model import PoolKV, SGLangLayers
 
 
@@ -27,14 +28,14 @@ def model_forward(forest, original, model, input_ids, positions, forward_batch, 
 
     plans = None
     if forest is not None and forward_batch.forward_mode.is_extend():
-        plans = forest.take_plans(forward_batch, blendable(forward_batch), get_attn_backend())
+        plans = forest.batch.take_plans(forward_batch, blendable(forward_batch), get_attn_backend())
     if plans is None:
         return original(model, input_ids, positions, forward_batch, *args, **kwargs)
 
     layers = SGLangLayers(model, forward_batch)
     pool = PoolKV(get_token_to_kv_pool(), layers)
     planned = [plan for plan in plans if plan is not None]
-    forest.select_prompts(planned, layers, pool)
+    forest.batch.select_prompts(planned, layers, pool)
     req_to_token = forest.req_to_token_pool.req_to_token
     rows = [RequestRow(prefix, extend, req_to_token[pool_index, :prefix + extend]) if plan is None
             else plan.request_row(req_to_token[pool_index, :prefix + extend])
@@ -43,7 +44,7 @@ def model_forward(forest, original, model, input_ids, positions, forward_batch, 
                                                         forward_batch.req_pool_indices_cpu.tolist())]
     hidden, stats = blended_prefill(layers, pool, input_ids, positions, rows,
                                     forest.blend, forest.rule, forest.reads)
-    forest.settle(planned, stats.kept, stats.adopted)
+    forest.batch.settle(planned, stats.kept, stats.adopted)
     return hidden
 
 

@@ -32,11 +32,10 @@ from typing import Callable
 
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
-from sglang.srt.mem_cache.radix_cache import RadixKey
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
 from sglang_tokendance.srt.request import RequestOptions
 from sglang_tokendance.srt.reuse import is_lora, may_reuse
-from sglang_tokendance.srt.shared_slot_tree import SharedSlotTree
 
 KEPT_NAMESPACE = "tokendance-kept"  # extra_key[0] of an agent's kept Mirrors
 
@@ -53,11 +52,18 @@ def is_kept(node) -> bool:
     return isinstance(extra_key, tuple) and extra_key[0] == KEPT_NAMESPACE
 
 
-class KeptMirrors(SharedSlotTree):
-    kept_rows: int = 0  # finished rows kept for their continuation
-    keeps_unnamed: bool = True  # rows of requests naming no agent are kept too (set by the forest)
-    max_approximate: int | None = None  # the server's fidelity budget (set by the forest)
-    options: Callable[[object], RequestOptions]  # each request's options, parsed once (set by the forest)
+class KeptMirrors:
+    """The kept rows of one radix tree (mirror storage), held in its own kept namespaces: the
+    forest calls `match` from its `match_prefix` and `keep_for_agent` when a row finishes.
+    Calls only SGLang's RadixCache methods on the tree."""
+
+    def __init__(self, tree: RadixCache, options: Callable[[object], RequestOptions], keeps_unnamed: bool = True,
+                 max_approximate: int | None = None):
+        self.tree = tree
+        self.options = options  # each request's options, parsed once
+        self.keeps_unnamed = keeps_unnamed  # rows of requests naming no agent are kept too
+        self.max_approximate = max_approximate  # the server's fidelity budget
+        self.rows = 0  # finished rows kept for their continuation
 
     def keep_for_agent(self, req, agent: str | None, up_to: int) -> None:
         """The finished row's first `up_to` positions stay in the tree for `agent` (None: for
@@ -65,29 +71,29 @@ class KeptMirrors(SharedSlotTree):
         path does not hold yet. A row whose tokens the namespace already keeps with other
         slots (another computation of the same tokens) is not kept, so every kept path is one
         computation."""
+        tree = self.tree
         key = RadixKey(req.full_untruncated_fill_ids[:up_to], kept_namespace(agent, req.extra_key),
                        cache_salt=req.cache_salt)
-        row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :up_to].to(torch.int64, copy=True)
-        held = super().match_prefix(MatchPrefixParams(key=key))
-        if not torch.equal(self.path_device_indices(held.last_device_node), row[:held.device_prefix_len]):
+        row = tree.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :up_to].to(torch.int64, copy=True)
+        held = RadixCache.match_prefix(tree, MatchPrefixParams(key=key))
+        if not torch.equal(tree.path_device_indices(held.last_device_node), row[:held.device_prefix_len]):
             return
-        inserted = self.insert(InsertParams(key=key, value=row, priority=req.priority or 0))
-        self.token_to_kv_pool_allocator.share(row[inserted.prefix_len:])
-        self.kept_rows += 1
+        inserted = tree.insert(InsertParams(key=key, value=row, priority=req.priority or 0))
+        tree.token_to_kv_pool_allocator.share(row[inserted.prefix_len:])
+        self.rows += 1
 
     def keeps(self, options: RequestOptions) -> bool:
-        """Whether a finished row of a request with these options is kept (mirror storage)."""
-        return self.zero_copy and (options.agent is not None or self.keeps_unnamed)
+        """Whether a finished row of a request with these options is kept."""
+        return options.agent is not None or self.keeps_unnamed
 
-    def match_prefix(self, params: MatchPrefixParams):
-        """SGLang's match; a request that reads kept rows (mirror storage) takes its kept
-        namespace's row instead when that covers more of its prompt."""
-        result = super().match_prefix(params)
+    def match(self, params: MatchPrefixParams, result):
+        """SGLang's match `result` of `params`, or, for a request that reads kept rows, its kept
+        namespace's row when that covers more of its prompt."""
         if not self._reads_kept(params.req):
             return result
         key = params.key
         options = self.options(params.req)
-        kept = super().match_prefix(MatchPrefixParams(key=RadixKey(
+        kept = RadixCache.match_prefix(self.tree, MatchPrefixParams(key=RadixKey(
             key.token_ids, kept_namespace(options.agent, key.extra_key), is_bigram=key.is_bigram,
             limit=key.limit, cache_salt=key.cache_salt)))
         if kept.device_prefix_len <= result.device_prefix_len:
@@ -101,13 +107,13 @@ class KeptMirrors(SharedSlotTree):
         """Positions of the path to `node` that read a Master's slot at a shift: the
         approximate tokens a request continuing it holds (its kept and exact ones are at their
         own positions)."""
-        slots = self.path_device_indices(node).to(torch.int64)
-        return int(self.token_to_kv_pool_allocator.frames.shifts(slots).count_nonzero())
+        slots = self.tree.path_device_indices(node).to(torch.int64)
+        return int(self.tree.token_to_kv_pool_allocator.frames.shifts(slots).count_nonzero())
 
     def _reads_kept(self, req) -> bool:
         """A request naming its agent reads that agent's kept rows; an unnamed one, those of
         unnamed requests when it carries segments and the blended prefill may serve it."""
-        if req is None or not self.zero_copy or self.disable or is_lora(req):
+        if req is None or self.tree.disable or is_lora(req):
             return False
         options = self.options(req)
         return options.agent is not None or (self.keeps_unnamed and bool(options.spans) and may_reuse(req))

@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import torch
 
-from sglang_tokendance.core.blend import BlendOptions, RequestRow, ReusedRun, carried_states, probe, select
+from sglang_tokendance.core.blend import carried_states, probe, select
+from sglang_tokendance.core.blend_types import BlendOptions, RequestRow, ReusedRun
 from sglang_tokendance.core.dense_kv import DenseKV
 from sglang_tokendance.core.plan import PromptSelection
 from sglang_tokendance.core.segment_table import SegmentTable

@@ -23,7 +23,7 @@ from typing import Any, Hashable
 import torch
 from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
 
-from sglang_tokendance.core.blend import BlendOptions, ProbeStates, RequestRow, ReusedRun
+from sglang_tokendance.core.blend_types import BlendOptions, ProbeStates, RequestRow, ReusedRun
 from sglang_tokendance.core.cost import PrefillCost
 from sglang_tokendance.core.segment_table import SegmentEntry, SegmentTable
 from sglang_tokendance.core.segments import SegmentSpan

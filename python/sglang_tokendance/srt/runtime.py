@@ -69,18 +69,18 @@ class SchedulerRuntime:
         reserved): it waits for the next batch, or the readers after it keep SGLang's charge."""
         from sglang.srt.managers.schedule_policy import AddReqResult
 
-        from sglang_tokendance.srt.forest import blendable_request
+        from sglang_tokendance.srt.batch_reuse import blendable_request
 
         forest, batch = self.forest, adder.can_run_list
         if forest is None:
             return add_one_req(adder, req, *args, **kwargs)
-        if not blendable_request(req) and any(map(forest.reads_admitted, batch)):
+        if not blendable_request(req) and any(map(forest.batch.reads_admitted, batch)):
             return AddReqResult.OTHER
         admitted = len(batch)
         verdict = add_one_req(adder, req, *args, **kwargs)
         if len(batch) == admitted or not all(map(blendable_request, batch)):
             return verdict
-        unallocated = forest.admit(req)
+        unallocated = forest.batch.admit(req)
         if not unallocated:
             return verdict
         budget = adder.memory_budget  # reserve() charges extend + one page + extra: this charges -unallocated
@@ -93,11 +93,11 @@ class SchedulerRuntime:
         checked against what it would take (srt/forest `spared_slots`), under the same
         condition `admit` credits it (no request the blended prefill cannot serve in the
         batch)."""
-        from sglang_tokendance.srt.forest import blendable_request
+        from sglang_tokendance.srt.batch_reuse import blendable_request
 
         forest = self.forest
         if forest is not None and all(map(blendable_request, [*adder.can_run_list, req])):
-            total_tokens -= forest.spared_slots(req)
+            total_tokens -= forest.batch.spared_slots(req)
         return check(adder, req, *args, total_tokens=total_tokens, **kwargs)
 
     def model_forward(self, original, model, input_ids, positions, forward_batch, *args, **kwargs):
