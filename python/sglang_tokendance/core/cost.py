@@ -47,8 +47,8 @@ class WorkRates:
     pair: float = 4.8e-4  # one query-key pair of one layer's attention
     mass: float = 2.7e-3  # one (fresh query, reused key) pair of a probe stage's attention mass
     restore: float = 0.063  # restoring one reused token's KV at one layer (dense storage)
-    # reading one reused token's K at a shift in place at one layer (mirror storage): 0.26-0.32x
-    # of a restore, timed alike (K gathered and rotated vs K and V gathered, K rotated, both written)
+    # reading one reused token's K at a shift in place at one layer (mirror storage): 0.28x of a
+    # restore, timed alike (bench_read_rate: K gathered and rotated vs K and V gathered, K rotated, both written)
     read: float = 0.019
     fixed: float = 0.0  # a blended chunk's fixed work
 
