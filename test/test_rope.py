@@ -286,3 +286,37 @@ def test_the_served_spec_equals_sglangs_rotary_tables(rope_scaling, monkeypatch)
     cos, sin = cos_sin(spec, positions)
     table = sglang_rope.cos_sin_cache[positions].float()
     torch.testing.assert_close(torch.cat([cos, sin], dim=-1), table, atol=2e-4, rtol=0)
+
+
+def test_a_served_models_own_rotary_table_is_checked_against_the_spec(monkeypatch) -> None:
+    """serving_rope_spec given the loaded model (the forest and the attention backend pass it):
+    SGLang's own table for the config passes; a model whose rotary_emb rotates otherwise (here:
+    another base) is refused, naming the first position that differs."""
+    import sys
+    import types
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.rotary_embedding.factory import get_rope
+
+    kernels = types.ModuleType("vllm._custom_ops")
+    kernels.rotary_embedding = None
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    monkeypatch.setitem(sys.modules, "vllm._custom_ops", kernels)
+
+    from sglang_tokendance.core.rope import table_mismatch
+    from sglang_tokendance.srt.kv_copy import serving_rope_spec
+
+    def model(table: torch.Tensor) -> SimpleNamespace:
+        layer = SimpleNamespace(self_attn=SimpleNamespace(rotary_emb=SimpleNamespace(cos_sin_cache=table)))
+        return SimpleNamespace(model=SimpleNamespace(layers=[layer], start_layer=0))
+
+    config = {"hidden_size": 256, "num_attention_heads": 4, "max_position_embeddings": 1024, "rope_theta": 10000.0}
+    own = get_rope(64, 64, 1024, 10000, True, None, torch.float32).cos_sin_cache
+    other = get_rope(64, 64, 1024, 500000, True, None, torch.float32).cos_sin_cache
+    spec = serving_rope_spec(config)
+    assert table_mismatch(spec, own) is None and serving_rope_spec(config, model(own)) == spec
+    assert table_mismatch(spec, other) == 16  # position 0 has no angle to differ by; every 16th is checked
+    assert table_mismatch(spec, own[:, :32]) == 0  # another rotary width
+    with pytest.raises(ValueError, match="rotary_emb differs .* at position 16"):
+        serving_rope_spec(config, model(other))
+    assert serving_rope_spec(config, SimpleNamespace()) == spec  # a model laid out otherwise: not checked

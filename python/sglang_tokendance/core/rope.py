@@ -220,6 +220,20 @@ def cos_sin(
     return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
 
 
+def table_mismatch(spec: RopeSpec, table: torch.Tensor, span: int = 2048, stride: int = 16) -> int | None:
+    """The first position (every `stride`-th below `span`) where a model's own cos/sin table
+    ([positions, rotary_dim]: cos, then sin, times the attention factor: SGLang's
+    `rotary_emb.cos_sin_cache`) differs from ``spec``'s by more than float rounding in its dtype
+    (angles in float32 lose about ``position * 6e-8`` radians); None where it matches."""
+    if table.dim() != 2 or table.shape[1] != spec.rotary_dim:
+        return 0
+    positions = torch.arange(0, min(span, table.shape[0]), stride)
+    cos, sin = cos_sin(spec, positions)
+    gap = (torch.cat([cos, sin], dim=-1) - table[positions].float()).abs().amax(dim=-1)
+    wrong = (gap > max(1e-3, 2 * torch.finfo(table.dtype).eps)).nonzero()
+    return int(positions[wrong[0, 0]]) if wrong.numel() else None
+
+
 def _apply(x: torch.Tensor, angles: torch.Tensor, scale: float, spec: RopeSpec) -> torch.Tensor:
     """Rotate ``x[..., :rotary_dim]`` by ``angles`` and multiply it by ``scale``, in float32."""
     if x.dim() < 2 or x.shape[0] != angles.shape[0] or x.shape[-1] != spec.head_dim:

@@ -67,7 +67,7 @@ from sglang_tokendance.srt.batch_reuse import BatchReuse, probe_limit
 from sglang_tokendance.srt.kept_mirrors import KeptMirrors, is_kept
 from sglang_tokendance.srt.kv_copy import PoolKeys, bytes_per_token, serving_rope_spec
 from sglang_tokendance.srt.metrics import NO_METRICS, ForestMetrics, PrometheusForestMetrics, StorageCounts
-from sglang_tokendance.srt.model import SUPPORTED_ARCHITECTURES
+from sglang_tokendance.srt.model import SUPPORTED_ARCHITECTURES, rotary_table
 from sglang_tokendance.srt.output_registration import output_kv_tokens, output_segment_ids
 from sglang_tokendance.srt.pool import RefCountedAllocator
 from sglang_tokendance.srt.request import RequestOptions, RequestOptionsCache
@@ -304,7 +304,10 @@ def build_forest(ctx: TreeCacheBuildContext, options: Callable[[object], Request
         raise ValueError("the tokendance radix cache supports full-attention models without HiCache")
     hf_config = ctx.model_config.hf_config
     args = TokenDanceArgs.from_env()
-    keys = PoolKeys(serving_rope_spec(hf_config))  # the launcher checked the RoPE
+    model = getattr(getattr(ctx.tp_worker, "model_runner", None), "model", None)
+    keys = PoolKeys(serving_rope_spec(hf_config, model))  # the config's RoPE, checked against the model's rotary_emb
+    logger.info("TokenDance moves cached K with %s (%s)", keys.rope, "the model's rotary_emb agrees"
+                if rotary_table(model) is not None else "the model has no rotary_emb table to check")
     architectures = list(hf_config.architectures or [])
     reuse = args.kv_enabled and len(architectures) == 1 and architectures[0] in SUPPORTED_ARCHITECTURES
     probes = args.recompute_ratio > 0 or args.approximate_budget is not None

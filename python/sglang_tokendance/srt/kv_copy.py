@@ -18,7 +18,8 @@ from typing import Callable
 
 import torch
 
-from sglang_tokendance.core.rope import RopeSpec, rotate, unrotate
+from sglang_tokendance.core.rope import RopeSpec, rotate, table_mismatch, unrotate
+from sglang_tokendance.srt.model import rotary_table
 
 KTransform = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (k [tokens, ..., d], positions [tokens])
 
@@ -40,15 +41,22 @@ class PoolKeys:
         return lambda k, positions: rotate(k, positions, self.rope)
 
 
-def serving_rope_spec(hf_config) -> RopeSpec:
+def serving_rope_spec(hf_config, model=None) -> RopeSpec:
     """The RoPE SGLang's `rotary_emb` applies for this config, as core/rope specifies it:
     dynamic NTK at SGLang's fixed stretch (its cos/sin table is built once for
     max_position_embeddings * factor positions, unlike HF's per-forward length). Raises
-    ValueError for a RoPE core/rope cannot reproduce (longrope, mrope, ...)."""
+    ValueError for a RoPE core/rope cannot reproduce (longrope, mrope, ...), and, given the
+    served `model`, where its own `rotary_emb` table differs from the spec's: cached K would be
+    moved with another rotation than the one the model wrote it with."""
     spec = RopeSpec.from_hf_config(hf_config)
     scaling = spec.scaling
     if scaling.type == "dynamic":
         spec = RopeSpec.from_hf_config(hf_config, seq_len=scaling.max_position_embeddings * scaling.factor)
+    table = None if model is None else rotary_table(model)
+    position = None if table is None else table_mismatch(spec, table)
+    if position is not None:
+        raise ValueError(f"the model's own rotary_emb differs from the RoPE its config gives ({spec}) at position "
+                         f"{position}: cached K cannot be moved between positions")
     return spec
 
 

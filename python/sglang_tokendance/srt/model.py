@@ -34,6 +34,17 @@ class Rotary(NamedTuple):
     cos_sin: torch.Tensor
 
 
+def rotary_table(causal_lm) -> torch.Tensor | None:
+    """The cos/sin table its first layer's `rotary_emb` applies ([positions, rotary_dim]: cos,
+    then sin) of an SGLang causal LM (LlamaForCausalLM, ...); None for a model laid out otherwise."""
+    decoder = getattr(causal_lm, "model", None)
+    layers = getattr(decoder, "layers", None)
+    if layers is None:
+        return None
+    attention = getattr(layers[getattr(decoder, "start_layer", 0)], "self_attn", None)
+    return getattr(getattr(attention, "rotary_emb", None), "cos_sin_cache", None)
+
+
 class SGLangLayers:
     """Layer-at-a-time access to an SGLang decoder (LlamaModel, Qwen2Model, Qwen3Model)."""
 
