@@ -195,7 +195,7 @@ class BatchReuse:
     def allocate_extend(self, allocate: Callable[[int], torch.Tensor], num_tokens: int) -> torch.Tensor:
         """SGLang allocating the `num_tokens` extend slots of the batch `restore` is
         building (`allocate(n)`: its allocation of n slots, evicting as it must): the reused
-        positions of rows holding Masters get SGLang's padding slot 0 (the forest points them
+        positions of rows holding Masters get SGLang's padding slot 0 (`restore` points them
         at the Masters once the rows are written: nothing of the forward's own writes reaches a
         Master, and no frame is recorded on one), and each such row gets its own slots for the
         tokens it can keep (`ChunkPlan.own`). Where even that would not fit (the Masters pinned,

@@ -3,10 +3,10 @@
 An AROUND hook on the decoder forwards of srt/model.py: such a batch runs core/blend's
 blended prefill on the requests' chunk plans (srt/reuse.py); every other batch runs SGLang's
 own forward. A chunk that starts a chunked prompt's blending first chooses for the whole
-prompt (srt/prompt_selection.py, through the forest). Under mirror storage the rows read the
+prompt (srt/prompt_selection.py, through srt/batch_reuse). Under mirror storage the rows read the
 Masters' slots in place, at a shift (the
 forest's `reads`) and carry the request's own slots for the reused
-positions (`RequestRow.own`); after the forward the forest settles them (kept tokens keep
+positions (`RequestRow.own`); after the forward the batch's reuse settles them (kept tokens keep
 their own slots, the others' are freed). A batch the blended prefill cannot serve (input
 embeddings, captured hidden states) runs SGLang's forward too: every reused position gets
 its own slot back and SGLang computes every token, so the plans' reused tokens are counted

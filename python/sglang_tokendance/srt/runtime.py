@@ -60,11 +60,11 @@ class SchedulerRuntime:
     def admit(self, add_one_req, adder, req, *args, **kwargs):
         """AROUND hook on `PrefillAdder.add_one_req` (mirror storage). SGLang reserves a slot for
         every extend token it admits; a reader allocates only its fresh tokens and one slot per
-        reused token it can keep (srt/forest `allocate_extend`). So once SGLang commits a
-        request, the forest plans its chunk and holds its Masters (`admit`: no longer
+        reused token it can keep (srt/batch_reuse `allocate_extend`). So once SGLang commits a
+        request, the batch's reuse plans its chunk and holds its Masters (`admit`: no longer
         evictable), and the slots it will not allocate go back to this pass's budget: the
         round's next readers are admitted on what the first ones really take. A request the
-        blended prefill cannot serve (srt/forest `blendable_request`) never joins a batch with
+        blended prefill cannot serve (srt/batch_reuse `blendable_request`) never joins a batch with
         such a reader (SGLang would compute the reader's tokens in full, beyond what was
         reserved): it waits for the next batch, or the readers after it keep SGLang's charge."""
         from sglang.srt.managers.schedule_policy import AddReqResult
@@ -90,7 +90,7 @@ class SchedulerRuntime:
     def check_admission(self, check, adder, req, *args, total_tokens: int, **kwargs):
         """AROUND hook on `PrefillAdder._check_prefill_budget` (mirror storage): SGLang checks
         a waiting request against its whole remaining prompt and decode headroom; a reader is
-        checked against what it would take (srt/forest `spared_slots`), under the same
+        checked against what it would take (srt/batch_reuse `spared_slots`), under the same
         condition `admit` credits it (no request the blended prefill cannot serve in the
         batch)."""
         from sglang_tokendance.srt.batch_reuse import blendable_request

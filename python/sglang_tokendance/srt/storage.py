@@ -9,7 +9,7 @@ pool that reuse needs (the pool keeps K rotated at each token's position, srt/kv
 * mirror (srt/pool.RefCountedAllocator): zero copy. A Master takes a reference
   on the writer's (or the tree's) slots; a reading row holds the Master's slots before its
   batch is allocated (`hold_reads`: a reference each, the Master pinned: never evicted while
-  read), is allocated only one own slot per reused token it can keep (srt/forest), points its
+  read), is allocated only one own slot per reused token it can keep (srt/batch_reuse), points its
   reused positions at the Master's slots (`read_in`), and keeps its own slots aside in its
   ChunkPlan until the forward has run (`settle_row`: each kept token's slot joins the row,
   the Mirror's diff; the rest are freed). The Master's K stays where its author rotated it
@@ -143,7 +143,7 @@ class MasterStorage:
 
     def read_in(self, plans: list[ChunkPlan], copying: bool) -> None:
         """After the batch's allocation, the planned rows get their Masters' KV: zero copy,
-        each row's reused positions (SGLang's padding slot until now, srt/forest) point at the
+        each row's reused positions (SGLang's padding slot until now, srt/batch_reuse) point at the
         Masters' slots it holds; dense storage, one copy for the whole batch, rotated to the
         readers' positions (`copying` False: nothing reads it, e.g. ratio 1)."""
         src, dst, positions = [], [], []
