@@ -4,9 +4,12 @@ find in prompts without markers, and what they cost on prompts that share nothin
 Recall (no server; the model's tokenizer): each workload round's prompts are sent as plain text
 (the simulation's blocks concatenated, no separators). The truly shared tokens of a prompt are
 those of its shared blocks (context documents and the agents' messages); one is found when the
-chunk holding it is also a chunk of another prompt of the round, which is what the forest can
-hit. Per workload and chunk spacing: recall, chunks per prompt and their mean length, and the
-tokens of a round's prompts that match a chunk of another simulation's round (text the two share
+chunk holding it is also a chunk of another prompt of the round, or when the forest's plan
+(core/plan) reads it next to such a chunk: a missed chunk beside a found one reads the tokens it
+shares with the chunk its author held beside the found one (the shared text's head and tail,
+cut into a chunk with whatever preceded or follows it). `chunk_recall`: whole chunks alone.
+Per workload and chunk spacing: recall, chunks per prompt and their mean length, and the tokens
+of a round's prompts that match a chunk of another simulation's round (text the two share
 without meaning to: templates, names). The default spacing was chosen on generative_agents; the
 others validate it.
 
@@ -32,6 +35,8 @@ from sglang_tokendance.bench import report
 from sglang_tokendance.bench.server_process import ServerProcess, flush_cache
 from sglang_tokendance.bench.workloads import PRESETS, Simulation, make_simulation, preset_config
 from sglang_tokendance.core.content_chunks import ChunkRule
+from sglang_tokendance.core.plan import plan_chunk
+from sglang_tokendance.core.segments import SegmentSpan
 from sglang_tokendance.server_args import DEFAULT_CHUNK_SPACING
 
 TUNED_ON = "generative_agents"
@@ -60,22 +65,48 @@ def chunk_keys(rule: ChunkRule, ids: list[int]) -> list[tuple[tuple[int, int], t
 
 
 def recall_row(rule: ChunkRule, prompts, strangers) -> dict:
-    """Shared tokens found, over one round's prompts; `strangers`: another simulation's round."""
+    """Shared tokens found, over one round's prompts; `strangers`: another simulation's round.
+    A prompt's chunks are looked up among the other prompts' (each chunk's Master: the first
+    other prompt holding it) and planned as the forest plans them (core/plan.plan_chunk): a
+    missed chunk next to a found one reads what it shares with the Master its author held beside
+    the found one (`recall`); `chunk_recall` counts whole chunks found alone."""
     keyed = [chunk_keys(rule, ids) for ids, _ in prompts]
     foreign = {key for ids, _ in strangers for _, key in chunk_keys(rule, ids)}
-    shared = found = foreign_tokens = 0
+    holders: dict[tuple, list[tuple[int, int]]] = {}
+    for j, chunks in enumerate(keyed):
+        for k, (_, key) in enumerate(chunks):
+            holders.setdefault(key, []).append((j, k))
+    shared = found = chunk_found = foreign_tokens = 0
     for i, (ids, is_shared) in enumerate(prompts):
-        others = {key for j, chunks in enumerate(keyed) if j != i for _, key in chunks}
+        spans = [SegmentSpan(s, e, str(k)) for k, ((s, e), _) in enumerate(keyed[i])]
+
+        def lookup(span: SegmentSpan, i=i):
+            master = next(((j, k) for j, k in holders[keyed[i][int(span.hash)][1]] if j != i), None)
+            return None if master is None else (master, span.end - span.start)
+
+        def neighbour(master: tuple[int, int], before: bool):
+            j, k = master
+            near = k - 1 if before else k + 1
+            if not 0 <= near < len(keyed[j]):
+                return None
+            (s, e), key = keyed[j][near]
+            contiguous = e == keyed[j][k][0][0] if before else s == keyed[j][k][0][1]
+            return ((j, near), key, e - s) if contiguous else None
+
+        runs = plan_chunk(spans, lookup, 0, len(ids), len(ids) + 1, neighbour, ids)
         hit = [False] * len(ids)
-        for (s, e), key in keyed[i]:
-            if key in others:
-                hit[s:e] = [True] * (e - s)
-            if key in foreign:
-                foreign_tokens += e - s
+        for run in runs.runs:
+            hit[run.start:run.end] = [True] * len(run)
+        whole = [False] * len(ids)
+        for index in runs.found:
+            whole[spans[index].start:spans[index].end] = [True] * (spans[index].end - spans[index].start)
+        foreign_tokens += sum(e - s for (s, e), key in keyed[i] if key in foreign)
         shared += sum(is_shared)
         found += sum(h and m for h, m in zip(hit, is_shared))
+        chunk_found += sum(h and m for h, m in zip(whole, is_shared))
     chunks = [e - s for k in keyed for (s, e), _ in k]
     return {"shared_tokens": shared, "found_tokens": found, "recall": found / shared if shared else None,
+            "chunk_recall": chunk_found / shared if shared else None,
             "chunks_per_prompt": len(chunks) / len(prompts), "mean_chunk_tokens": statistics.fmean(chunks),
             "prompt_tokens": statistics.fmean(len(ids) for ids, _ in prompts), "foreign_tokens": foreign_tokens}
 
@@ -155,8 +186,8 @@ def plot(path: Path, rows: list[dict]) -> None:
 def summary(rows: list[dict]) -> list[tuple[str, str]]:
     recall = [r for r in rows if r["type"] == "recall"]
     sections = [("Recall per workload and spacing (round 0, plain prompts)", report.markdown_table(recall, [
-        "preset", "tuned_on", "num_agents", "block_words", "spacing", "default", "recall", "shared_tokens",
-        "chunks_per_prompt", "mean_chunk_tokens", "prompt_tokens", "foreign_tokens"]))]
+        "preset", "tuned_on", "num_agents", "block_words", "spacing", "default", "recall", "chunk_recall",
+        "shared_tokens", "chunks_per_prompt", "mean_chunk_tokens", "prompt_tokens", "foreign_tokens"]))]
     overhead = [r for r in rows if r["type"] == "overhead"]
     if overhead:
         ratios = [r["ratio"] for r in overhead]

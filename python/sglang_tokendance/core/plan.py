@@ -56,11 +56,23 @@ class ChunkRuns(Generic[Master]):
         return sum(len(run) for run in self.runs)
 
 
+EXTENSION_MIN_TOKENS = 2  # the shortest run a missed span reads from its found neighbour's neighbour
+
+
 def plan_chunk(spans: Sequence[SegmentSpan], lookup: Callable[[SegmentSpan], tuple[Master, int] | None],
-               prefix_len: int, extend_end: int, prompt_len: int) -> ChunkRuns[Master]:
+               prefix_len: int, extend_end: int, prompt_len: int,
+               neighbour: Callable[[Master, bool], tuple[Master, Sequence[int], int] | None] | None = None,
+               ids: Sequence[int] = ()) -> ChunkRuns[Master]:
     """The runs of chunk [prefix_len, extend_end) of a `prompt_len`-token prompt.
     `lookup(span)` gives a span's cached Master and its cached length, or None; it is
-    called only for the spans that overlap the chunk."""
+    called only for the spans that overlap the chunk, and for their neighbours.
+
+    With `neighbour` (and the prompt's `ids`), a missed span next to a found one reads the
+    tokens it shares with the Master its author cached beside the found one (`neighbour(master,
+    before)`: that Master, its ids and cached length; `before`: the one cached right before
+    `master`): content-defined chunks cut shared text where the content says, so the text's
+    head shares a chunk with whatever preceded it (and its tail with what follows); the chunk
+    misses, but its tokens next to the found chunk are the neighbour Master's."""
     plan: ChunkRuns[Master] = ChunkRuns()
     last_fresh = prompt_len - 1
     for index, span in enumerate(spans):
@@ -76,7 +88,58 @@ def plan_chunk(spans: Sequence[SegmentSpan], lookup: Callable[[SegmentSpan], tup
         end = min(end, span.start + length)
         if end > start:
             plan.runs.append(PlannedRun(start, end, start - span.start, master))
+    if neighbour is not None:
+        plan.runs += _extensions(spans, plan.missed, lookup, neighbour, ids, prefix_len, min(extend_end, last_fresh))
+        plan.runs.sort(key=lambda run: run.start)
     return plan
+
+
+def _extensions(spans: Sequence[SegmentSpan], missed: list[int], lookup, neighbour, ids: Sequence[int],
+                lo: int, hi: int) -> list[PlannedRun]:
+    """The runs of the `missed` spans that continue a found neighbour span (`plan_chunk`), within
+    positions [lo, hi)."""
+    runs = []
+    for index in missed:
+        span, head, tail = spans[index], None, None
+        if index + 1 < len(spans) and spans[index + 1].start == span.end:  # a found span after it
+            head = _shared(span, lookup(spans[index + 1]), neighbour, ids, before=True)
+        if index > 0 and spans[index - 1].end == span.start:  # a found span before it
+            tail = _shared(span, lookup(spans[index - 1]), neighbour, ids, before=False)
+        if head is not None and tail is not None and tail[0] + tail[1] > head[0]:
+            tail = None  # they overlap: the run ending where the next found span starts is kept
+        for piece in (tail, head):
+            if piece is None:
+                continue
+            start, n, master, offset = piece
+            clipped = max(start, lo), min(start + n, hi)
+            if clipped[1] - clipped[0] >= EXTENSION_MIN_TOKENS:
+                runs.append(PlannedRun(clipped[0], clipped[1], offset + clipped[0] - start, master))
+    return runs
+
+
+def _shared(span: SegmentSpan, found, neighbour, ids: Sequence[int], before: bool):
+    """(first position, length, Master, offset in it) of the tokens `span` shares with the
+    Master cached `before` (or after) the one `found` for its neighbour span; None: none."""
+    near = None if found is None else neighbour(found[0], before)
+    if near is None:
+        return None
+    master, theirs, length = near
+    mine = ids[span.start:span.end]
+    n = common_run(mine, theirs, at_end=before)
+    if before:
+        start, offset = span.end - n, len(theirs) - n
+    else:
+        start, offset = span.start, 0
+    n = min(n, length - offset)  # a Master shorter than its ids (a registered output) covers its length
+    return None if n < EXTENSION_MIN_TOKENS else (start, n, master, offset)
+
+
+def common_run(mine: Sequence[int], theirs: Sequence[int], at_end: bool) -> int:
+    """How many tokens the two sequences share at their ends (`at_end`) or at their starts."""
+    n, most = 0, min(len(mine), len(theirs))
+    while n < most and (mine[-1 - n] == theirs[-1 - n] if at_end else mine[n] == theirs[n]):
+        n += 1
+    return n
 
 
 @dataclass(frozen=True)

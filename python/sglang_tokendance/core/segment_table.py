@@ -14,6 +14,10 @@ Integrity: an entry also carries a cheap checksum (CRC-32) and the length of the
 was cached for, and a lookup names the ids the reader expects there. An entry that does not
 match them (a hash collision, or any bookkeeping fault) is refused and counted, never used:
 the reader computes those tokens itself.
+
+An entry also keeps its token ids and the keys of the segments right before and after it in its
+author's prompt: a reader whose content-defined chunk beside a found one missed reads the tokens
+it shares with that neighbour Master (core/plan).
 """
 
 from __future__ import annotations
@@ -43,6 +47,9 @@ class SegmentEntry:
     hit_count: int = 0
     priority: int = 0  # SGLang's "priority" policy evicts low priorities first; segments take the default
     readers: int = 0  # live rows reading the slots in place (Master-Mirror storage): not evictable meanwhile
+    ids: tuple[int, ...] = ()  # its token ids: a reader extends a found neighbour's read into its own chunk
+    before: Hashable | None = None  # the key of the segment its author's prompt held right before it (None: none)
+    after: Hashable | None = None  # and right after it
 
     def __len__(self) -> int:
         return int(self.slots.numel())
@@ -67,14 +74,17 @@ class SegmentTable:
     def __contains__(self, key: Hashable) -> bool:
         return key in self.entries
 
-    def insert(self, key: Hashable, slots: torch.Tensor, ids: Sequence[int], position: int = 0) -> SegmentEntry:
+    def insert(self, key: Hashable, slots: torch.Tensor, ids: Sequence[int], position: int = 0,
+               neighbours: tuple[Hashable | None, Hashable | None] = (None, None)) -> SegmentEntry:
         """Add a new segment holding the KV of `ids` (all of them, or all but the last), computed
-        at `position`; the caller checks `in` first (a duplicate is only counted)."""
+        at `position`, between the segments keyed `neighbours` in its author's prompt; the caller
+        checks `in` first (a duplicate is only counted)."""
         if key in self.entries:
             raise KeyError(f"segment {key} is already cached")
         if not len(ids) - 1 <= slots.numel() <= len(ids):
             raise ValueError(f"{slots.numel()} slots cannot hold the KV of {len(ids)} token ids")
-        entry = SegmentEntry(key, slots, len(ids), token_checksum(ids), position)
+        entry = SegmentEntry(key, slots, len(ids), token_checksum(ids), position, ids=tuple(ids), before=neighbours[0],
+                             after=neighbours[1])
         self.entries[key] = entry
         self.tokens += len(entry)
         self.inserted += 1

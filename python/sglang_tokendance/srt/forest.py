@@ -174,7 +174,8 @@ class SegmentForest(RadixCache):
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
         for span in ready:
             superseded = self.storage.cache(state.key(span.hash), req.origin_input_ids[span.start:span.end], row,
-                                            span.start, span.end - span.start, replace=state.leads)
+                                            span.start, span.end - span.start, replace=state.leads,
+                                            neighbours=state.neighbours(span))
             state.counts.round_master_tokens += superseded
         if state.leads:
             state.publish()

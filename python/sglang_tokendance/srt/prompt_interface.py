@@ -179,7 +179,8 @@ def cut_content_chunks(obj, input_ids: Sequence[int], segmenter: Segmenter, rule
     options = RequestOptions.carried_by(custom)
     if options.find_chunks and input_ids is not None:
         spans = segmenter.content_chunks(input_ids, rule).spans
-        custom[CARRIER_KEY] = json.dumps(replace(options, spans=spans, find_chunks=False).payload())
+        custom[CARRIER_KEY] = json.dumps(replace(options, spans=spans, find_chunks=False,
+                                                 content_chunks=True).payload())
 
 
 def _multimodal(obj) -> bool:

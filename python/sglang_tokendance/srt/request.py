@@ -39,7 +39,9 @@ class RequestOptions:
     round); `agent`: keep the finished row's KV for this agent's next prompt (mirror storage);
     `max_approximate_tokens`: its fidelity budget, in place of --tokendance-max-approximate-tokens
     (None: the server's). `find_chunks`: an unmarked prompt whose segments are its content-defined
-    chunks, cut once its ids are final (srt/prompt_interface); never in the scheduler."""
+    chunks, cut once its ids are final (srt/prompt_interface); never in the scheduler.
+    `content_chunks`: its spans are those chunks, whose boundaries the content chose, not the
+    client: a read may continue across them into a missed neighbour (core/plan)."""
 
     spans: tuple[SegmentSpan, ...] = ()
     register_output: bool = False
@@ -47,6 +49,7 @@ class RequestOptions:
     agent: str | None = None
     max_approximate_tokens: int | None = None
     find_chunks: bool = False
+    content_chunks: bool = False
 
     @property
     def concerns_tokendance(self) -> bool:
@@ -93,7 +96,8 @@ class RequestOptions:
         spans = tuple(SegmentSpan(**span) for span in payload.get("segments", ()))
         tag = RoundTag(payload["round"], payload.get("round_size")) if "round" in payload else None
         return cls(spans, bool(payload.get("register_output")), tag, payload.get("agent"),
-                   payload.get("max_approximate_tokens"), bool(payload.get("find_chunks")))
+                   payload.get("max_approximate_tokens"), bool(payload.get("find_chunks")),
+                   bool(payload.get("content_chunks")))
 
     @classmethod
     def carried_by(cls, custom_params: dict | None) -> "RequestOptions":
@@ -119,6 +123,8 @@ class RequestOptions:
             payload["max_approximate_tokens"] = self.max_approximate_tokens
         if self.find_chunks:
             payload["find_chunks"] = True
+        if self.content_chunks:
+            payload["content_chunks"] = True
         return payload
 
 

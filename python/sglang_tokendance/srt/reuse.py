@@ -230,6 +230,15 @@ class RequestReuse:
     def key(self, segment_hash: str) -> Hashable:
         return (self.namespace, segment_hash)
 
+    def neighbours(self, span: SegmentSpan) -> tuple[Hashable | None, Hashable | None]:
+        """The keys of the spans right before and right after `span` in its prompt (None: text
+        that is no span, or the prompt's end, lies there)."""
+        spans = self.options.spans
+        at = spans.index(span)
+        before = spans[at - 1] if at > 0 and spans[at - 1].end == span.start else None
+        after = spans[at + 1] if at + 1 < len(spans) and spans[at + 1].start == span.end else None
+        return tuple(None if s is None else self.key(s.hash) for s in (before, after))
+
     def plan_chunk(self, table: SegmentTable, prefix_len: int, extend_end: int, group: Hashable | None = None,
                    cost: PrefillCost | None = None, max_approximate: int | None = None,
                    plan_ahead: bool = False) -> ChunkPlan:
@@ -312,11 +321,22 @@ class RequestReuse:
         if not self.can_reuse:
             return ChunkRuns()
         ids = self.req.origin_input_ids
-        return plan_chunk(self.reusable, lambda span: self._lookup(table, span, ids), start, end, len(ids))
+        neighbour = (lambda master, before: self._neighbour(table, master, before)) if self.options.content_chunks \
+            else None  # a marker or a message boundary is the client's: no read crosses it
+        return plan_chunk(self.reusable, lambda span: self._lookup(table, span, ids), start, end, len(ids),
+                          neighbour, ids)
 
     def _lookup(self, table: SegmentTable, span: SegmentSpan, ids) -> tuple[SegmentEntry, int] | None:
         entry = table.peek(self.key(span.hash), ids[span.start:span.end])
         return None if entry is None else (entry, len(entry))
+
+    @staticmethod
+    def _neighbour(table: SegmentTable, master: SegmentEntry, before: bool
+                   ) -> tuple[SegmentEntry, tuple[int, ...], int] | None:
+        """The Master cached right before (or after) `master` in its author's prompt, its ids
+        and cached length (core/plan extends a found span's read into a missed neighbour)."""
+        entry = table.entries.get(master.before if before else master.after)
+        return None if entry is None else (entry, entry.ids, len(entry))
 
     def drop_evicted(self, plan: ChunkPlan, table: SegmentTable) -> None:
         """Runs of `plan` whose Master the batch's allocation evicted after all (nothing else

@@ -59,7 +59,7 @@ class MasterStorage:
     # --- Masters ----------------------------------------------------------------------------
 
     def cache(self, key, ids: Sequence[int], row: torch.Tensor, start: int, length: int,
-              replace: bool = False) -> int:
+              replace: bool = False, neighbours: tuple = (None, None)) -> int:
         """Row positions [start, start + length) -- the KV of `ids`, exact -- become the
         Master under `key`. Mirror storage: the Master takes a reference on those slots
         themselves (the tree or the request keeps its own). Dense storage: they are copied into
@@ -67,7 +67,8 @@ class MasterStorage:
         the eviction policy ranks first (never a live request's KV: its prefix is locked and its
         own slots are not evictable); when even that is not enough, the segment is not cached.
         A duplicate is only counted, unless `replace`: then the new KV supersedes the cached
-        Master (see the module's notes). Returns the tokens of the Master it superseded."""
+        Master (see the module's notes). `neighbours`: the keys of the segments beside it in
+        its author's prompt. Returns the tokens of the Master it superseded."""
         old = self.segments.entries.get(key)
         if old is not None and not (replace and length > 0):
             self.segments.count_duplicate(key)
@@ -78,13 +79,13 @@ class MasterStorage:
             if length > 0:
                 slots = row[start:start + length].to(torch.int64, copy=True)
                 self.allocator.hold(slots)
-                self.segments.insert(key, slots, ids, start)
+                self.segments.insert(key, slots, ids, start, neighbours)
             return 0 if old is None else len(old)
         slots = self._alloc_evicting(length) if length > 0 else None
         if slots is not None:
             positions = torch.arange(start, start + length, device=row.device)
             copy_kv(self.pool, row[start:start + length].to(torch.int64), slots, positions, self.keys.unrotated)
-            self.segments.insert(key, slots, ids, start)
+            self.segments.insert(key, slots, ids, start, neighbours)
         return 0 if old is None else len(old)
 
     def _supersede(self, entry: SegmentEntry) -> None:

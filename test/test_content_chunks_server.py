@@ -1,0 +1,31 @@
+"""Unmarked prompts on a server with its defaults: the same text after other text is read from
+its author's Masters past the chunks it shares whole (core/plan's extension into the missed
+neighbours, where the content-defined cuts fall inside the shared text's head and tail)."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import emptied, generate
+
+pytestmark = pytest.mark.slow
+
+SHARED = ("The council met at dawn in the old granary by the river. Mira reported that the mill wheel cracked "
+          "during the storm and that the bakery has flour for four more days. Oskar offered to repair the wheel "
+          "if the smith lends him iron bands, and the council agreed to pay him in grain after the harvest.")
+AUTHOR = ("You are Ada, the weaver of Oakvale, and you keep careful notes of every meeting. Notes: " + SHARED
+          + " Ada says:")
+READER = ("You are Bram, the ferryman, who hears every rumour on the river first. Today's news: " + SHARED
+          + " Bram says:")
+
+
+def test_a_shared_text_is_read_past_the_chunks_it_shares_whole(default_server_url):
+    url = emptied(default_server_url)
+    author = generate(url, AUTHOR, 1)["meta_info"]["tokendance"]
+    meta = generate(url, READER, 4)["meta_info"]
+    reader = meta["tokendance"]
+    cached = {span["hash"] for span in author["segments"]}
+    whole = sum(span["end"] - span["start"] for span in reader["segments"] if span["hash"] in cached)
+    assert reader["segment_hits"] >= 1 and whole > 0
+    # the chunk found whole, and the shared text's head and tail in the chunks beside it
+    assert whole < reader["reused_tokens"] <= meta["prompt_tokens"] - len(" Bram says:".split())
