@@ -58,7 +58,7 @@ class TokenDanceAttnBackend(TorchNativeAttnBackend):
     def __init__(self, model_runner):
         super().__init__(model_runner)
         try:
-            spec = serving_rope_spec(model_runner.model_config.hf_config, model_runner.model)
+            spec = serving_rope_spec(model_runner.model_config.hf_config, getattr(model_runner, "model", None))
         except ValueError as e:
             raise ValueError(f"--tokendance-storage mirror cannot serve this model's RoPE: {e}") from None
         self.reads = ShiftedReads(spec, model_runner.token_to_kv_pool_allocator.frames)
