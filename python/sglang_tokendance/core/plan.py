@@ -75,11 +75,18 @@ def plan_chunk(spans: Sequence[SegmentSpan], lookup: Callable[[SegmentSpan], tup
     misses, but its tokens next to the found chunk are the neighbour Master's."""
     plan: ChunkRuns[Master] = ChunkRuns()
     last_fresh = prompt_len - 1
+    looked: dict[int, tuple[Master, int] | None] = {}
+
+    def once(index: int) -> tuple[Master, int] | None:  # each span looked up once per plan
+        if index not in looked:
+            looked[index] = lookup(spans[index])
+        return looked[index]
+
     for index, span in enumerate(spans):
         start, end = max(span.start, prefix_len), min(span.end, extend_end, last_fresh)
         if end <= start:
             continue
-        found = lookup(span)
+        found = once(index)
         if found is None:
             plan.missed.append(index)
             continue
@@ -89,7 +96,7 @@ def plan_chunk(spans: Sequence[SegmentSpan], lookup: Callable[[SegmentSpan], tup
         if end > start:
             plan.runs.append(PlannedRun(start, end, start - span.start, master))
     if neighbour is not None:
-        plan.runs += _extensions(spans, plan.missed, lookup, neighbour, ids, prefix_len, min(extend_end, last_fresh))
+        plan.runs += _extensions(spans, plan.missed, once, neighbour, ids, prefix_len, min(extend_end, last_fresh))
         plan.runs.sort(key=lambda run: run.start)
     return plan
 
@@ -97,14 +104,14 @@ def plan_chunk(spans: Sequence[SegmentSpan], lookup: Callable[[SegmentSpan], tup
 def _extensions(spans: Sequence[SegmentSpan], missed: list[int], lookup, neighbour, ids: Sequence[int],
                 lo: int, hi: int) -> list[PlannedRun]:
     """The runs of the `missed` spans that continue a found neighbour span (`plan_chunk`), within
-    positions [lo, hi)."""
+    positions [lo, hi); `lookup(index)`: a span's Master, by its index."""
     runs = []
     for index in missed:
         span, head, tail = spans[index], None, None
         if index + 1 < len(spans) and spans[index + 1].start == span.end:  # a found span after it
-            head = _shared(span, lookup(spans[index + 1]), neighbour, ids, before=True)
+            head = _shared(span, lookup(index + 1), neighbour, ids, before=True)
         if index > 0 and spans[index - 1].end == span.start:  # a found span before it
-            tail = _shared(span, lookup(spans[index - 1]), neighbour, ids, before=False)
+            tail = _shared(span, lookup(index - 1), neighbour, ids, before=False)
         if head is not None and tail is not None and tail[0] + tail[1] > head[0]:
             tail = None  # they overlap: the run ending where the next found span starts is kept
         for piece in (tail, head):
