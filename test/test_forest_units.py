@@ -12,6 +12,7 @@ import torch
 
 from sglang_tokendance.core.segment_table import SegmentTable
 from sglang_tokendance.core.segments import SegmentSpan
+from sglang_tokendance.server_args import TokenDanceArgs
 from sglang_tokendance.srt.prompt_interface import CARRIER_KEY, REUSE_INFO_KEY
 
 
@@ -41,7 +42,7 @@ def make_forest(policy: str = "lru", **options):
 
     params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=Allocator(),
                              page_size=1, eviction_policy=policy)
-    return SegmentForest(params, keys=None, reuse=False, **options)
+    return SegmentForest(params, None, reuse=False, **options)
 
 
 def test_a_prompt_rest_longer_than_one_chunks_work_is_selected_chunk_by_chunk():
@@ -55,7 +56,7 @@ def test_a_prompt_rest_longer_than_one_chunks_work_is_selected_chunk_by_chunk():
     forest = make_forest(probe_limit=64)
     assert forest.batch._plans_ahead(SimpleNamespace(origin_input_ids=[0] * 100, prefix_len=36))
     assert not forest.batch._plans_ahead(SimpleNamespace(origin_input_ids=[0] * 100, prefix_len=35))
-    unplanned = make_forest(planned_selection=False).batch
+    unplanned = make_forest(args=TokenDanceArgs(planned_selection=False)).batch
     assert not unplanned._plans_ahead(SimpleNamespace(origin_input_ids=[0], prefix_len=0))
     assert make_forest().batch._plans_ahead(SimpleNamespace(origin_input_ids=[0] * 10 ** 6, prefix_len=0))
 
@@ -287,7 +288,7 @@ def test_a_corrupted_entry_is_refused_and_the_span_computed():
     state = RequestReuse.of(req, options_of(req), can_reuse=True)
     table = SegmentTable()
     table.insert(state.key("a"), torch.arange(20), list(range(20)))
-    table.insert(state.key("b"), torch.arange(20, 40), list(range(20, 40))).checksum ^= 0xFF
+    table.insert(state.key("b"), torch.arange(20, 40), list(range(20, 40))).ids = tuple(range(21, 41))
     plan = state.plan_chunk(table, 0, 50)
     assert [(r.start, r.end) for r in plan.runs] == [(0, 20)] and (plan.hits, plan.misses) == (1, 1)
     assert table.refused == 1 and state.counts.computed_tokens == 30
@@ -392,7 +393,6 @@ def mirror_forest(size: int = 64, rows: int = 4, diff_threshold: float = 0.0):
     reused tokens (3 of 12: its own slots there)."""
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
-    from sglang_tokendance.core.blend_types import BlendOptions
     from sglang_tokendance.core.rope import RopeSpec
     from sglang_tokendance.srt.forest import SegmentForest
     from sglang_tokendance.srt.kv_copy import PoolKeys
@@ -405,8 +405,9 @@ def mirror_forest(size: int = 64, rows: int = 4, diff_threshold: float = 0.0):
     table = SimpleNamespace(req_to_token=torch.zeros(rows, 128, dtype=torch.int32))
     params = CacheInitParams(disable=False, req_to_token_pool=table, token_to_kv_pool_allocator=allocator,
                              page_size=1, eviction_policy="lru")
-    return SegmentForest(params, PoolKeys(RopeSpec(head_dim=8, rotary_dim=8, base=1e4)), reuse=True, zero_copy=True,
-                         blend=BlendOptions(recompute_ratio=0.25), diff_threshold=diff_threshold)
+    args = TokenDanceArgs(storage="mirror", recompute_ratio=0.25, check_layer=1, screen_layer=0,
+                          diff_threshold=diff_threshold)
+    return SegmentForest(params, PoolKeys(RopeSpec(head_dim=8, rotary_dim=8, base=1e4)), args, reuse=True)
 
 
 class Req(SimpleNamespace):
@@ -804,7 +805,8 @@ def dense_forest(size: int = 16):
     table = SimpleNamespace(req_to_token=torch.zeros(2, 64, dtype=torch.int32))
     params = CacheInitParams(disable=False, req_to_token_pool=table, token_to_kv_pool_allocator=allocator,
                              page_size=1, eviction_policy="lru")
-    return SegmentForest(params, PoolKeys(RopeSpec(head_dim=8, rotary_dim=8, base=1e4)), reuse=True)
+    return SegmentForest(params, PoolKeys(RopeSpec(head_dim=8, rotary_dim=8, base=1e4)),
+                         TokenDanceArgs(recompute_ratio=0.0), reuse=True)
 
 
 def test_a_segment_cached_while_sglang_defers_frees_evicts_and_is_kept():
@@ -954,7 +956,6 @@ def test_slots_freed_after_a_mirror_forward_reopen_sglangs_admission_once():
     """SGLang stops admitting after a request did not fit until one leaves its running batch;
     a zero-copy row's forward frees slots without one leaving, so the next admission pass is
     let through (once: a pass with nothing freed since leaves SGLang's verdict alone)."""
-    from sglang_tokendance.server_args import TokenDanceArgs
     from sglang_tokendance.srt.runtime import SchedulerRuntime
 
     runtime = SchedulerRuntime(TokenDanceArgs(storage="mirror"))
@@ -989,7 +990,6 @@ def test_a_reader_admitted_is_charged_the_slots_it_will_allocate_and_holds_its_m
     from sglang.srt.managers.schedule_policy import AddReqResult
     from sglang.srt.mem_cache.prefill_budget import PrefillBudget
 
-    from sglang_tokendance.server_args import TokenDanceArgs
     from sglang_tokendance.srt.runtime import SchedulerRuntime
 
     runtime = SchedulerRuntime(TokenDanceArgs(storage="mirror"))

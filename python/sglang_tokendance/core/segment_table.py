@@ -10,44 +10,35 @@ copied into the request's own slots, right after allocation, when nothing can ev
 Master-Mirror storage live rows read an entry's slots in place and count as its `readers`,
 and an entry with readers is never evicted.
 
-Integrity: an entry also carries a cheap checksum (CRC-32) and the length of the token ids it
-was cached for, and a lookup names the ids the reader expects there. An entry that does not
-match them (a hash collision, or any bookkeeping fault) is refused and counted, never used:
-the reader computes those tokens itself.
+Integrity: an entry keeps the token ids it was cached for, and a lookup names the ids the
+reader expects there. An entry that does not hold them (a hash collision, or any bookkeeping
+fault) is refused and counted, never used: the reader computes those tokens itself.
 
-An entry also keeps its token ids and the keys of the segments right before and after it in its
-author's prompt: a reader whose content-defined chunk beside a found one missed reads the tokens
-it shares with that neighbour Master (core/plan).
+An entry also keeps the keys of the segments right before and after it in its author's prompt:
+a reader whose content-defined chunk beside a found one missed reads the tokens it shares with
+that neighbour Master (core/plan), whose ids say how far they agree.
 """
 
 from __future__ import annotations
 
 import time
-import zlib
-from array import array
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
 import torch
 
 
-def token_checksum(ids: Sequence[int]) -> int:
-    return zlib.crc32(array("q", ids).tobytes())
-
-
 @dataclass(eq=False)
 class SegmentEntry:
     key: Hashable
     slots: torch.Tensor  # one KV-pool slot per token (dense: a copy, K un-rotated; mirror: the author's, as written)
-    num_ids: int  # the segment's token ids (an output segment has one slot fewer: its last token has no KV)
-    checksum: int  # token_checksum of those ids
+    ids: tuple[int, ...]  # the segment's token ids (an output segment has one slot fewer: its last token has no KV)
     position: int = 0  # where its first token sat when its KV was computed (elsewhere: read at a shift)
     last_access_time: float = field(default_factory=time.monotonic)
     creation_time: float = field(default_factory=time.monotonic)
     hit_count: int = 0
     priority: int = 0  # SGLang's "priority" policy evicts low priorities first; segments take the default
     readers: int = 0  # live rows reading the slots in place (Master-Mirror storage): not evictable meanwhile
-    ids: tuple[int, ...] = ()  # its token ids: a reader extends a found neighbour's read into its own chunk
     before: Hashable | None = None  # the key of the segment its author's prompt held right before it (None: none)
     after: Hashable | None = None  # and right after it
 
@@ -55,7 +46,7 @@ class SegmentEntry:
         return int(self.slots.numel())
 
     def holds(self, ids: Sequence[int]) -> bool:
-        return len(ids) == self.num_ids and token_checksum(ids) == self.checksum
+        return len(ids) == len(self.ids) and tuple(ids) == self.ids
 
 
 class SegmentTable:
@@ -83,8 +74,7 @@ class SegmentTable:
             raise KeyError(f"segment {key} is already cached")
         if not len(ids) - 1 <= slots.numel() <= len(ids):
             raise ValueError(f"{slots.numel()} slots cannot hold the KV of {len(ids)} token ids")
-        entry = SegmentEntry(key, slots, len(ids), token_checksum(ids), position, ids=tuple(ids), before=neighbours[0],
-                             after=neighbours[1])
+        entry = SegmentEntry(key, slots, tuple(ids), position, before=neighbours[0], after=neighbours[1])
         self.entries[key] = entry
         self.tokens += len(entry)
         self.inserted += 1

@@ -49,17 +49,17 @@ Output registration: srt/output_registration.py. Metrics: srt/metrics.py.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Callable, Hashable, Protocol
 
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 
-from sglang_tokendance.core.blend_types import BlendOptions
 from sglang_tokendance.core.cost import PrefillCost, serving_cost
 from sglang_tokendance.core.recurrence import Sightings
 from sglang_tokendance.core.segments import segment_hash
-from sglang_tokendance.core.selection import SelectionRule, rule_named
+from sglang_tokendance.core.selection import rule_named
 from sglang_tokendance.served_model import model_salt_from_env
 from sglang_tokendance.server_args import TokenDanceArgs
 from sglang_tokendance.srt import eviction
@@ -78,40 +78,67 @@ from sglang_tokendance.srt.tree_slot_counts import TreeSlotCounts
 logger = logging.getLogger(__name__)
 
 
+class RequestFacts(Protocol):
+    """What the scheduler knows of a request that the forest asks (srt/runtime.SchedulerRuntime)."""
+
+    options: Callable[[object], RequestOptions]  # its TokenDance options, parsed once (srt/request)
+
+    def group_key(self, req) -> Hashable | None:
+        """The key of the round group SGLang admits it with (srt/policy; None: no round)."""
+
+    def leads(self, req) -> bool:
+        """Whether SGLang admits it as its round's leader (srt/policy)."""
+
+
+@dataclass
+class NoRounds:
+    """Requests outside any round policy (a forest built without SGLang's scheduler)."""
+
+    options: Callable[[object], RequestOptions] = field(default_factory=RequestOptionsCache)
+
+    def group_key(self, req) -> Hashable | None:
+        return None
+
+    def leads(self, req) -> bool:
+        return False
+
+
 class SegmentForest(RadixCache):
     metrics: ForestMetrics = NO_METRICS  # replaced under --enable-metrics
 
-    def __init__(self, params, keys: PoolKeys | None, reuse: bool, salt: bytes = b"", zero_copy: bool = False,
-                 blend: BlendOptions = BlendOptions(), rule: SelectionRule | None = None,
-                 min_segment_tokens: int = 16, options: Callable[[object], RequestOptions] | None = None,
-                 group_of: Callable[[object], Hashable | None] = lambda req: None,
-                 leads: Callable[[object], bool] = lambda req: False, exact_recurrence: bool = True,
-                 cost: PrefillCost | None = None, max_approximate: int | None = None, diff_threshold: float = 0.0,
-                 planned_selection: bool = True, probe_limit: int | None = None, keep_rows: bool = True):
-        self.options = options or RequestOptionsCache()  # each request's TokenDance options, parsed once
-        self.group_of = group_of  # the key of the round group a request is admitted with (srt/policy)
-        self.leads = leads  # whether a request is admitted as its round's leader (srt/policy)
-        self.keys = keys  # the pool's RoPE; None: no segments are cached (a plain radix cache)
+    def __init__(self, params, keys: PoolKeys | None, args: TokenDanceArgs = TokenDanceArgs(), *, reuse: bool,
+                 requests: RequestFacts | None = None, salt: bytes = b"", cost: PrefillCost | None = None,
+                 probe_limit: int | None = None):
+        """`args`: the server's TokenDance options; `keys`: the pool's RoPE (None: no segments are
+        cached, a plain radix cache); `reuse`: the served model's forward can blend (srt/model);
+        `cost`: chunks whose blending would not pay take SGLang's path (None: every match
+        blends); `probe_limit`: the longest rest of a prompt a planned selection probes."""
+        requests = requests or NoRounds()
+        self.options = requests.options  # each request's TokenDance options, parsed once
+        self.group_of = requests.group_key  # the key of the round group a request is admitted with (srt/policy)
+        self.leads = requests.leads  # whether a request is admitted as its round's leader (srt/policy)
+        self.keys = keys
         self.reuse = reuse and keys is not None
         self.salt = salt
-        self.blend, self.rule = blend, rule
-        self.min_segment_tokens = min_segment_tokens
-        self.sightings = Sightings() if exact_recurrence else None  # blocks to compute exactly where they recur
+        self.blend, self.rule = args.blend_options(), rule_named(args.selection)
+        self.min_segment_tokens = args.min_segment_tokens
+        self.sightings = Sightings() if args.exact_recurrence else None  # blocks to compute exactly where they recur
         self.requests: dict[object, RequestReuse] = {}  # SGLang's Req -> its reuse, until released
         allocator = params.token_to_kv_pool_allocator
-        if zero_copy and not isinstance(allocator, RefCountedAllocator):
+        if args.mirror_storage and not isinstance(allocator, RefCountedAllocator):
             raise ValueError("mirror storage needs the reference-counted KV allocator (srt/pool.py), "
                              f"got {type(allocator).__name__}")
         self.storage = MasterStorage(keys, allocator, params.req_to_token_pool,
-                                     lambda tokens: self.evict(EvictParams(num_tokens=tokens)), zero_copy,
-                                     diff_threshold)
+                                     lambda tokens: self.evict(EvictParams(num_tokens=tokens)), args.mirror_storage,
+                                     args.diff_threshold)
         self.segments = self.storage.segments  # its Masters' table: planning and eviction read it
         self.zero_copy = self.storage.zero_copy
         self.reads = self.storage.reads  # the blended prefill reads Masters' slots at a shift (mirror)
-        self.batch = BatchReuse(self, self.storage, allocator, params.req_to_token_pool, cost, max_approximate,
-                                planned_selection, probe_limit)
+        self.batch = BatchReuse(self, self.storage, allocator, params.req_to_token_pool, cost,
+                                args.approximate_budget, args.planned_selection, probe_limit)
         self.slot_counts = TreeSlotCounts(allocator if self.zero_copy else None)
-        self.kept = KeptMirrors(self, self.options, keep_rows, max_approximate) if self.zero_copy else None
+        self.kept = KeptMirrors(self, self.options, args.keep_rows, args.approximate_budget) \
+            if self.zero_copy else None
         super().__init__(params)
         if self.page_size != 1:
             raise ValueError(f"the tokendance radix cache needs --page-size 1, got {self.page_size}")
@@ -297,10 +324,9 @@ class SegmentForest(RadixCache):
         return self.storage.counts(list(self.requests.values()))
 
 
-def build_forest(ctx: TreeCacheBuildContext, options: Callable[[object], RequestOptions],
-                 group_of: Callable[[object], Hashable | None], leads: Callable[[object], bool]) -> SegmentForest:
-    """The `register_radix_cache_backend` factory (srt/runtime binds the request options and
-    the round policy of its scheduler: each request's round group, and whether it leads it)."""
+def build_forest(ctx: TreeCacheBuildContext, requests: RequestFacts) -> SegmentForest:
+    """The `register_radix_cache_backend` factory (srt/runtime passes its scheduler's request
+    options and round policy: each request's round group, and whether it leads it)."""
     if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or ctx.enable_hierarchical_cache:
         raise ValueError("the tokendance radix cache supports full-attention models without HiCache")
     hf_config = ctx.model_config.hf_config
@@ -315,23 +341,12 @@ def build_forest(ctx: TreeCacheBuildContext, options: Callable[[object], Request
     if reuse and probes and args.check_layer >= hf_config.num_hidden_layers:
         raise ValueError(f"--tokendance-check-layer {args.check_layer} must be below the model's "
                          f"{hf_config.num_hidden_layers} layers")
-    blend, rule = args.blend_options(), rule_named(args.selection)
     backend = ctx.server_args.prefill_attention_backend or ctx.server_args.attention_backend
-    cost = serving_cost(hf_config.num_hidden_layers, blend, rule.needs_attention, backend) \
-        if args.cost_check else None
-    return SegmentForest(ctx.params, keys, reuse=reuse, salt=model_salt_from_env(), zero_copy=args.mirror_storage,
-                         blend=blend, rule=rule,
-                         min_segment_tokens=args.min_segment_tokens, options=options, group_of=group_of, leads=leads,
-                         exact_recurrence=args.exact_recurrence, cost=cost,
-                         max_approximate=args.approximate_budget, diff_threshold=args.diff_threshold,
-                         planned_selection=args.planned_selection,
+    cost = serving_cost(hf_config.num_hidden_layers, args.blend_options(), rule_named(args.selection).needs_attention,
+                        backend) if args.cost_check else None
+    return SegmentForest(ctx.params, keys, args, reuse=reuse, requests=requests, salt=model_salt_from_env(), cost=cost,
                          probe_limit=probe_limit(ctx.server_args.chunked_prefill_size, hf_config.num_hidden_layers,
-                                                 blend.check_layer),
-                         keep_rows=args.keep_rows)
-
-
-PROBE_FLOOR_TOKENS = 8192  # the chunk a planned probe may always cost, however small SGLang's chunks
-
+                                                 args.check_layer))
 
 
 def allocate_after_reads(alloc_token_slots, tree_cache, num_tokens: int, *args, **kwargs):

@@ -16,6 +16,7 @@ covered and recompute their part of it.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Any, Hashable
@@ -233,8 +234,8 @@ class RequestReuse:
     def neighbours(self, span: SegmentSpan) -> tuple[Hashable | None, Hashable | None]:
         """The keys of the spans right before and right after `span` in its prompt (None: text
         that is no span, or the prompt's end, lies there)."""
-        spans = self.options.spans
-        at = spans.index(span)
+        spans = self.options.spans  # in prompt order, apart
+        at = bisect.bisect_left(spans, span.start, key=lambda s: s.start)
         before = spans[at - 1] if at > 0 and spans[at - 1].end == span.start else None
         after = spans[at + 1] if at + 1 < len(spans) and spans[at + 1].start == span.end else None
         return tuple(None if s is None else self.key(s.hash) for s in (before, after))

@@ -31,7 +31,7 @@ class SchedulerRuntime:
 
     def build_forest(self, ctx) -> forest_module.SegmentForest:
         """The `register_radix_cache_backend` factory of the "tokendance" backend."""
-        self.forest = forest_module.build_forest(ctx, self.options, self.group_key, self.leads)
+        self.forest = forest_module.build_forest(ctx, self)
         return self.forest
 
     def group_key(self, req) -> Hashable | None:
