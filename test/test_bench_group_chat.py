@@ -26,9 +26,15 @@ def test_clients_without_markers_or_names_reuse_the_conversation(tmp_path, tiny_
     its turns. The marked client's named round is led the same way."""
     out = tmp_path / "chat.jsonl"
     bench_group_chat.main(["--model-path", tiny_llama, "--num-agents", "3", "--num-rounds", "2",
-                           "--max-new-tokens", "4", "--settings", "default", "--output-file", str(out)])
-    rows = {(r["client"], r["round"]): r for r in map(json.loads, out.read_text().splitlines()) if r["type"] == "round"}
+                           "--max-new-tokens", "4", "--settings", "default", "--repeats", "2",
+                           "--output-file", str(out)])
+    every = [r for r in map(json.loads, out.read_text().splitlines()) if r["type"] == "round"]
+    rows = {(r["client"], r["round"]): r for r in every if r["repeat"] == 0}
     assert set(rows) == {(c, r) for c in ("chat", "text", "marked") for r in (0, 1)}
+    again = {(r["client"], r["round"]): r for r in every if r["repeat"] == 1}  # both servers timed again, in turn
+    assert set(again) == set(rows) and len(every) == 12
+    assert all(again[k]["seconds_radix"] != rows[k]["seconds_radix"] and again[k]["prompt_tokens"]
+               == rows[k]["prompt_tokens"] for k in rows)
     assert all(row["setting"] == "default" for row in rows.values())
     assert rows["chat", 0]["segments"] >= 3 * 4  # each agent: its system message and the three seed turns
     assert rows["text", 0]["segments"] >= 3 * 4  # each seed turn is several chunks
@@ -39,5 +45,5 @@ def test_clients_without_markers_or_names_reuse_the_conversation(tmp_path, tiny_
     assert all(row["first_kl"] >= 0 and row["seconds"] > 0 and row["identical"] <= 3 for row in rows.values())
     # live KV: at most the round's own tokens and the rows its agents kept from the last round
     assert all(0 <= row["peak_kv_tokens"] <= 2 * row["prompt_tokens"] for row in rows.values())
-    assert out.with_suffix(".md").read_text().count("| default |") == 6
+    assert out.with_suffix(".md").read_text().count("| default |") == 12 + 6  # each round, then each spread
     assert out.with_suffix(".png").stat().st_size > 1000

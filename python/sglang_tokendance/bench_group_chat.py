@@ -16,7 +16,9 @@ round: first-token and content-step KL against stock (steps compared while the g
 agree, as bench_quality's server mode does), continuations identical to stock's, the segments
 found and the tokens reused (the server's `metadata["tokendance"]`), the round's latency
 over stock's, and the round's peak KV in use beside stock's (sampled from SGLang's /v1/loads:
-tokens held by live requests and pinned Masters, not the evictable tree).
+tokens held by live requests and pinned Masters, not the evictable tree). With `--repeats R`
+each further repeat flushes both servers and sends each round to stock and to the setting in
+turn, the first of the two alternating, for the spread of the latency ratio per round.
 """
 
 from __future__ import annotations
@@ -157,24 +159,48 @@ def reference_rounds(url: str, client: str, sim: Simulation, args: argparse.Name
     return rounds
 
 
+def round_row(client: str, setting: str, n: int, r: int, answers: list[dict], seconds: float, peak_kv: int,
+              stock: dict, stock_seconds: float, stock_peak_kv: int, repeat: int) -> dict:
+    """One round of a setting against stock's answers (`stock`) and stock's timing of the same round."""
+    compared = [compare(a, ref) for a, ref in zip(answers, stock["answers"])]
+    steps = [kl for c in compared for kl in c["step_kls"]]
+    return {"type": "round", "client": client, "setting": setting, "num_agents": n, "round": r, "repeat": repeat,
+            "first_kl": statistics.fmean(c["first_kl"] for c in compared),
+            "step_kl": statistics.fmean(steps) if steps else None, "steps_compared": len(steps),
+            "identical": sum(c["identical"] for c in compared),
+            "prompt_tokens": sum(c["prompt_tokens"] for c in compared),
+            **{k: sum(c[k] for c in compared) for k in ("segments", "segment_hits", "reused_tokens",
+                                                         "recomputed_tokens")},
+            "seconds": seconds, "seconds_radix": stock_seconds, "latency_vs_radix": stock_seconds / seconds,
+            "peak_kv_tokens": peak_kv, "peak_kv_radix": stock_peak_kv}
+
+
 def replay(url: str, client: str, setting: str, n: int, rounds: list[dict], args: argparse.Namespace,
            progress) -> list[dict]:
+    """The setting's rounds on stock's prompts, timed against stock's reference rounds."""
     rows = []
     for r, stock in enumerate(rounds):
         answers, seconds, peak_kv = send_round(url, client, stock["prompts"], args)
-        compared = [compare(a, ref) for a, ref in zip(answers, stock["answers"])]
-        steps = [kl for c in compared for kl in c["step_kls"]]
-        rows.append({"type": "round", "client": client, "setting": setting, "num_agents": n, "round": r,
-                     "first_kl": statistics.fmean(c["first_kl"] for c in compared),
-                     "step_kl": statistics.fmean(steps) if steps else None, "steps_compared": len(steps),
-                     "identical": sum(c["identical"] for c in compared),
-                     "prompt_tokens": sum(c["prompt_tokens"] for c in compared),
-                     **{k: sum(c[k] for c in compared) for k in ("segments", "segment_hits", "reused_tokens",
-                                                                  "recomputed_tokens")},
-                     "seconds": seconds, "seconds_radix": stock["seconds"],
-                     "latency_vs_radix": stock["seconds"] / seconds,
-                     "peak_kv_tokens": peak_kv, "peak_kv_radix": stock["peak_kv"]})
+        rows.append(round_row(client, setting, n, r, answers, seconds, peak_kv, stock, stock["seconds"],
+                              stock["peak_kv"], 0))
         progress.update(1)
+    return rows
+
+
+def alternating_repeat(stock_url: str, url: str, client: str, setting: str, n: int, rounds: list[dict],
+                       args: argparse.Namespace, repeat: int, progress) -> list[dict]:
+    """One more repeat: both servers flushed, then each round's prompts sent to stock and to the
+    setting's server in turn, the first of the two alternating from one repeat to the next."""
+    flush_cache(stock_url)
+    flush_cache(url)
+    rows = []
+    for r, stock in enumerate(rounds):
+        timed = {u: send_round(u, client, stock["prompts"], args)
+                 for u in ([url, stock_url] if repeat % 2 else [stock_url, url])}
+        (answers, seconds, peak_kv), (_, stock_seconds, stock_peak_kv) = timed[url], timed[stock_url]
+        rows.append(round_row(client, setting, n, r, answers, seconds, peak_kv, stock, stock_seconds, stock_peak_kv,
+                              repeat))
+        progress.update(2)
     return rows
 
 
@@ -185,33 +211,48 @@ def run(args: argparse.Namespace) -> list[dict]:
     model = ["--model-path", args.model_path] if args.model_path else []
     rows: list[dict] = []
     runs = [(client, n) for client in args.clients for n in agents]
-    total = len(runs) * args.num_rounds * (1 + len(args.settings))
+    total = len(runs) * args.num_rounds * (1 + len(args.settings) * (1 + 2 * (args.repeats - 1)))
     with tqdm(total=total, desc="group chat rounds", unit="round") as progress:
         with ServerProcess([*model, "--disable-tokendance"]) as stock:
             references = {}
             for client, n in runs:
                 flush_cache(stock.url)
                 references[client, n] = reference_rounds(stock.url, client, sims[n], args, progress)
-        for setting in args.settings:
-            with ServerProcess([*model, *SETTINGS[setting]]) as server:
-                for client, n in runs:
-                    flush_cache(server.url)
-                    rows += replay(server.url, client, setting, n, references[client, n], args, progress)
+            for setting in args.settings:
+                with ServerProcess([*model, *SETTINGS[setting]]) as server:
+                    for client, n in runs:
+                        flush_cache(server.url)
+                        rows += replay(server.url, client, setting, n, references[client, n], args, progress)
+                        for repeat in range(1, args.repeats):
+                            rows += alternating_repeat(stock.url, server.url, client, setting, n,
+                                                       references[client, n], args, repeat, progress)
     return rows
 
 
-def plot(path: Path, rows: list[dict]) -> None:
-    def series(key: str) -> dict:
-        def of(run):
-            return [r for r in rows if (r["client"], r["setting"], r["num_agents"]) == run]
-        return {f"{c} {s}, N={n}": ([r["round"] for r in of((c, s, n))], [r[key] or 0.0 for r in of((c, s, n))])
-                for c, s, n in dict.fromkeys((r["client"], r["setting"], r["num_agents"]) for r in rows)}
+def spread(rows: list[dict]) -> list[dict]:
+    """Per client, setting, size and round: stock's latency over the setting's across repeats."""
+    runs: dict[tuple, list[float]] = {}
+    for row in rows:
+        runs.setdefault((row["client"], row["setting"], row["num_agents"], row["round"]), []).append(
+            row["latency_vs_radix"])
+    return [{"client": c, "setting": s, "num_agents": n, "round": r, "repeats": len(ratios),
+             "latency_vs_radix_mean": statistics.fmean(ratios), "min": min(ratios), "max": max(ratios)}
+            for (c, s, n, r), ratios in runs.items()]
 
+
+def plot(path: Path, rows: list[dict]) -> None:
+    def series(key: str, of_rows: list[dict]) -> dict:
+        def of(run):
+            return [r for r in of_rows if (r["client"], r["setting"], r["num_agents"]) == run]
+        return {f"{c} {s}, N={n}": ([r["round"] for r in of((c, s, n))], [r[key] or 0.0 for r in of((c, s, n))])
+                for c, s, n in dict.fromkeys((r["client"], r["setting"], r["num_agents"]) for r in of_rows)}
+
+    first = [r for r in rows if r["repeat"] == 0]  # quality: the first repeat's answers
     report.plot_panels(path, "Unmodified clients (no markers or names) against stock radix", [
-        report.Panel("content-step KL against stock", "round", "mean truncated KL", series("step_kl")),
-        report.Panel("tokens reused", "round", "tokens", series("reused_tokens")),
-        report.Panel("round latency: stock / setting", "round", "ratio", series("latency_vs_radix"), hline=1.0,
-                     hline_label="stock radix"),
+        report.Panel("content-step KL against stock", "round", "mean truncated KL", series("step_kl", first)),
+        report.Panel("tokens reused", "round", "tokens", series("reused_tokens", first)),
+        report.Panel("round latency: stock / setting (mean of repeats)", "round", "ratio",
+                     series("latency_vs_radix_mean", spread(rows)), hline=1.0, hline_label="stock radix"),
     ])
 
 
@@ -226,6 +267,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help=f"from {', '.join(CLIENTS)} (marked: the text client with markers and named rounds)")
     p.add_argument("--settings", default=",".join(SETTINGS), help=f"from {', '.join(SETTINGS)}")
     p.add_argument("--seed", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="timings per round: the first against stock's reference rounds, each further one "
+                        "sent to both servers in turn, the first of the two alternating")
     p.add_argument("--model-path", default=None, help="default: the prepared SmolLM2-135M-Instruct")
     p.add_argument("--output-file", type=Path, default=Path("benchmark/results/group_chat.jsonl"),
                    help="JSONL; the Markdown summary and the PNG plot are written beside it")
@@ -238,8 +282,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             p.error(f"unknown {name}(s) {', '.join(unknown)}; choose from {', '.join(known)}")
     if not all(n.isdigit() and 2 <= int(n) for n in args.num_agents.split(",")):
         p.error(f"--num-agents must be comma-separated integers >= 2, got {args.num_agents!r}")
-    if args.num_rounds < 1 or args.max_new_tokens < 1 or not 1 <= args.top_logprobs <= 20:
-        p.error("--num-rounds and --max-new-tokens must be >= 1, --top-logprobs in [1, 20]")
+    if args.num_rounds < 1 or args.max_new_tokens < 1 or args.repeats < 1 or not 1 <= args.top_logprobs <= 20:
+        p.error("--num-rounds, --max-new-tokens and --repeats must be >= 1, --top-logprobs in [1, 20]")
     return args
 
 
@@ -249,12 +293,16 @@ def main(argv: list[str] | None = None) -> None:
     rows = run(args)
     command = report.command_line("sglang_tokendance.bench_group_chat", argv)
     report.write_jsonl(args.output_file, [{"type": "meta", "command": command}, *rows])
-    columns = ["client", "setting", "num_agents", "round", "first_kl", "step_kl", "steps_compared", "identical",
-               "prompt_tokens", "segments", "segment_hits", "reused_tokens", "recomputed_tokens", "seconds",
-               "seconds_radix", "latency_vs_radix", "peak_kv_tokens", "peak_kv_radix"]
+    columns = ["client", "setting", "num_agents", "round", "repeat", "first_kl", "step_kl", "steps_compared",
+               "identical", "prompt_tokens", "segments", "segment_hits", "reused_tokens", "recomputed_tokens",
+               "seconds", "seconds_radix", "latency_vs_radix", "peak_kv_tokens", "peak_kv_radix"]
     report.write_markdown(args.output_file.with_suffix(".md"), "Unmodified clients against stock radix",
                           command, [("Per round (each round's requests sent together)",
-                                     report.markdown_table(rows, columns))])
+                                     report.markdown_table(rows, columns)),
+                                    ("Round latency, stock's over the setting's, across repeats",
+                                     report.markdown_table(spread(rows), ["client", "setting", "num_agents", "round",
+                                                                          "repeats", "latency_vs_radix_mean", "min",
+                                                                          "max"]))])
     if not args.no_plot:
         plot(args.output_file.with_suffix(".png"), rows)
 
