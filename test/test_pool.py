@@ -246,6 +246,14 @@ class OwnerModel:
         return len(freeable), len(tree_or_master - freeable), len(tree), len(owners)
 
 
+    def master_counts(self) -> tuple[int, int, int]:
+        """(slots some Master holds, slots only Masters hold, row positions reading in place)."""
+        held = {s for slots, _ in self.masters for s in slots}
+        others = {s for own in self.rows for s in own} | {s for slots, _ in self.nodes for s in slots} | {
+            s for index, _ in self.reads for s in self.masters[index][0]}
+        return len(held), len(held - others), sum(n for _, n in self.reads)
+
+
 OPS = ["row", "insert", "share", "lock", "evict", "master", "read", "unread", "drop_master", "free_row"]
 
 
@@ -263,3 +271,4 @@ def test_slot_counts_match_an_independent_model_of_owners(ops):
         refs = model.refs
         assert (refs.evictable_slots(), refs.protected_slots(), refs.tree_slots()) == (freeable, protected, tree)
         assert int((refs.refs > 0).sum()) == used == 24 - len(model.free)
+        assert (refs.master_slots(), refs.master_only_slots(), refs.read_slots()) == model.master_counts()

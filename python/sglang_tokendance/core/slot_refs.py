@@ -10,15 +10,19 @@ rows reading it in place and `pins` the live rows reading a Master that holds it
 Master is not evictable). So the pool can say, counting each slot once however many owners it
 has, how many slots eviction could free (`evictable_slots`: held by unlocked tree nodes and
 unpinned Masters alone) and how many the live requests keep (`protected_slots`).
-Those counts scan the pool, so each is kept until the next change (the scheduler asks for
-them several times a step).
+Those counts are kept as running totals: each change recounts only the slots it touches
+(before and after), so the scheduler's several asks per step cost no scan of the pool.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from typing import Iterator
 
 import torch
+
+
+COUNTS = ("evictable", "protected", "tree", "masters", "master_only", "reads")  # the running totals
 
 
 class DoubleFree(RuntimeError):
@@ -35,24 +39,37 @@ class SlotRefs:
         self.masters = torch.zeros_like(self.refs)
         self.pins = torch.zeros_like(self.refs)
         self.reads = torch.zeros_like(self.refs)
-        self._counts: dict[str, int] = {}  # the pool scans since the last change
+        self._totals = torch.zeros(len(COUNTS), dtype=torch.int64, device=device)  # `_per_slot` summed
 
-    def _changed(self) -> None:
-        self._counts.clear()
+    def _per_slot(self, at: torch.Tensor) -> torch.Tensor:
+        """[len(at), len(COUNTS)]: what each slot of `at` adds to each count."""
+        masters, tree, refs = self.masters[at], self.tree[at], self.refs[at]
+        evictable = self._evictable(at)
+        held = (tree > 0) | (masters > 0)
+        return torch.stack([evictable, held & ~evictable, tree > 0, masters > 0, (masters > 0) & (refs == masters),
+                            self.reads[at]], 1).to(torch.int64)
 
-    def _count(self, name: str, mask: Callable[[], torch.Tensor]) -> int:
-        if name not in self._counts:
-            self._counts[name] = int(mask().sum())
-        return self._counts[name]
+    @contextlib.contextmanager
+    def _changing(self, slots: torch.Tensor) -> Iterator[None]:
+        """Around a change that touches `slots` only: the totals move by what it changed there."""
+        at = torch.unique(slots)
+        before = self._per_slot(at).sum(0)
+        try:
+            yield
+        finally:
+            self._totals += self._per_slot(at).sum(0) - before
+
+    def _count(self, name: str) -> int:
+        return int(self._totals[COUNTS.index(name)])
 
     def _add(self, counter: torch.Tensor, slots: torch.Tensor, delta: int) -> None:
-        counter.index_add_(0, slots, torch.full_like(slots, delta, dtype=torch.int32))
-        self._changed()
+        with self._changing(slots):
+            counter.index_add_(0, slots, torch.full_like(slots, delta, dtype=torch.int32))
 
     def allocated(self, slots: torch.Tensor) -> None:
         """Fresh slots from the free list: one owner each."""
-        self.refs[slots] = 1
-        self._changed()
+        with self._changing(slots):
+            self.refs[slots] = 1
 
     def share(self, slots: torch.Tensor) -> None:
         """One more owner for each of `slots` (repeats count once per occurrence)."""
@@ -61,12 +78,12 @@ class SlotRefs:
     def release(self, slots: torch.Tensor) -> torch.Tensor:
         """Drop one reference per occurrence; returns the slots whose last reference went
         (each once), for the free list."""
-        self.refs.index_add_(0, slots, torch.full_like(slots, -1, dtype=torch.int32))
-        self._changed()
+        self._add(self.refs, slots, -1)
         left = self.refs[slots]
         if bool((left < 0).any()):
             wrong = torch.unique(slots[left < 0])
-            self.refs[wrong] = 0
+            with self._changing(wrong):
+                self.refs[wrong] = 0
             raise DoubleFree(f"KV slots freed more often than referenced: {wrong[:8].tolist()}")
         return torch.unique(slots[left == 0])
 
@@ -114,7 +131,7 @@ class SlotRefs:
     def evictable_slots(self) -> int:
         """Slots evicting every unlocked tree node and every unpinned Master would free: held
         by those alone (no live row's own or reading reference, no lock, no pin)."""
-        return self._count("evictable", self._evictable)
+        return self._count("evictable")
 
     def evictable_among(self, slots: torch.Tensor) -> int:
         """How many of `slots` (each once) are evictable now (`evictable_slots`' test)."""
@@ -123,20 +140,20 @@ class SlotRefs:
     def protected_slots(self) -> int:
         """Slots the tree or a Master holds that eviction cannot free now (locked, pinned, or
         also held by a live row)."""
-        return self._count("protected", lambda: ((self.tree > 0) | (self.masters > 0)) & ~self._evictable())
+        return self._count("protected")
 
     def tree_slots(self) -> int:
         """Slots some tree node holds (each once, however many nodes hold it)."""
-        return self._count("tree", lambda: self.tree > 0)
+        return self._count("tree")
 
     def master_slots(self) -> int:
         """Slots some Master holds (each once)."""
-        return self._count("masters", lambda: self.masters > 0)
+        return self._count("masters")
 
     def master_only_slots(self) -> int:
         """Slots held by Masters and by nobody else (not the tree, not a row)."""
-        return self._count("master_only", lambda: (self.masters > 0) & (self.refs == self.masters))
+        return self._count("master_only")
 
     def read_slots(self) -> int:
         """Row positions reading a slot in place (a slot read by two rows counts twice)."""
-        return self._count("reads", lambda: self.reads)
+        return self._count("reads")
