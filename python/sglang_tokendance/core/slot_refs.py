@@ -43,8 +43,8 @@ class SlotRefs:
 
     def _per_slot(self, at: torch.Tensor) -> torch.Tensor:
         """[len(at), len(COUNTS)]: what each slot of `at` adds to each count."""
-        masters, tree, refs = self.masters[at], self.tree[at], self.refs[at]
-        evictable = self._evictable(at)
+        refs, tree, masters = self.refs[at], self.tree[at], self.masters[at]
+        evictable = _evictable(refs, tree, masters, self.locked[at], self.pins[at])
         held = (tree > 0) | (masters > 0)
         return torch.stack([evictable, held & ~evictable, tree > 0, masters > 0, (masters > 0) & (refs == masters),
                             self.reads[at]], 1).to(torch.int64)
@@ -124,10 +124,6 @@ class SlotRefs:
         loses its last lock (-1)."""
         self._add(self.locked, slots, delta)
 
-    def _evictable(self, at: torch.Tensor | slice = slice(None)) -> torch.Tensor:
-        refs = self.refs[at]
-        return (refs > 0) & (refs == self.tree[at] + self.masters[at]) & (self.locked[at] == 0) & (self.pins[at] == 0)
-
     def evictable_slots(self) -> int:
         """Slots evicting every unlocked tree node and every unpinned Master would free: held
         by those alone (no live row's own or reading reference, no lock, no pin)."""
@@ -135,7 +131,7 @@ class SlotRefs:
 
     def evictable_among(self, slots: torch.Tensor) -> int:
         """How many of `slots` (each once) are evictable now (`evictable_slots`' test)."""
-        return int(self._evictable(slots.unique()).sum())
+        return int(self._per_slot(slots.unique())[:, COUNTS.index("evictable")].sum())
 
     def protected_slots(self) -> int:
         """Slots the tree or a Master holds that eviction cannot free now (locked, pinned, or
@@ -157,3 +153,9 @@ class SlotRefs:
     def read_slots(self) -> int:
         """Row positions reading a slot in place (a slot read by two rows counts twice)."""
         return self._count("reads")
+
+
+def _evictable(refs: torch.Tensor, tree: torch.Tensor, masters: torch.Tensor, locked: torch.Tensor,
+               pins: torch.Tensor) -> torch.Tensor:
+    """Per slot (the counters at some slots): held by unlocked tree nodes and unpinned Masters alone."""
+    return (refs > 0) & (refs == tree + masters) & (locked == 0) & (pins == 0)
