@@ -91,7 +91,7 @@ def test_an_unmarked_chats_messages_are_found_in_sglangs_ids_and_its_answer_regi
                                              add_generation_prompt=True, return_dict=False))
     segmenter = segmenter_of(serving_chat.tokenizer_manager, TokenDanceArgs())
     texts = chat_message_texts(body)
-    assert texts[1] == "Hi." and len(texts) == 3
+    assert texts[1] == ("user", "Hi.") and len(texts) == 3
 
     def request(n=None):
         return SimpleNamespace(text=None, input_ids=list(ids), sampling_params={"max_new_tokens": 4, "n": n})
@@ -100,7 +100,7 @@ def test_an_unmarked_chats_messages_are_found_in_sglangs_ids_and_its_answer_regi
     apply_segments(obj, segments_field=None, from_chat=True, segmenter=segmenter, messages=texts)
     carried = RequestOptions.carried_by(obj.sampling_params["custom_params"])
     assert obj.input_ids == ids and carried.register_output
-    assert [tokenizer.tokenizer.decode(ids[s.start:s.end]) for s in carried.spans] == [texts[0], texts[2]]
+    assert [tokenizer.tokenizer.decode(ids[s.start:s.end]) for s in carried.spans] == [texts[0][1], texts[2][1]]
     sampled = request(n=2)
     apply_segments(sampled, segments_field=None, from_chat=True, segmenter=segmenter, messages=texts)
     assert not RequestOptions.carried_by(sampled.sampling_params["custom_params"]).register_output
@@ -122,7 +122,7 @@ def test_an_unmarked_plain_prompt_gets_its_content_chunks_once_sglang_has_its_id
     shared = " ".join(f"On day {d} the ferry to the island left at {d + 6} in the morning." for d in range(8))
     texts = [f"You are Mira the baker. {shared} What now?", f"Tom, the miller, speaks first today. {shared} Go."]
     obj = SimpleNamespace(text=list(texts), input_ids=None, sampling_params={"max_new_tokens": 4})
-    apply_segments(obj, segments_field=None, from_chat=False, segmenter=segmenter, find_chunks=True)
+    apply_segments(obj, segments_field=None, from_chat=False, segmenter=segmenter, chunks=args.chunk_rule)
     assert obj.text == texts and obj.input_ids is None  # SGLang tokenises them, as for any plain prompt
     spans = []
     for text, params in zip(texts, obj.sampling_params):
@@ -139,3 +139,49 @@ def test_an_unmarked_plain_prompt_gets_its_content_chunks_once_sglang_has_its_id
     plain = SimpleNamespace(text=texts[0], input_ids=None, sampling_params={"max_new_tokens": 4})
     apply_segments(plain, segments_field=None, from_chat=False, segmenter=segmenter)
     assert "custom_params" not in plain.sampling_params
+
+
+def test_a_transcript_in_one_chat_message_is_cut_into_content_chunks_but_an_answer_stays_whole(serving_chat):
+    """A long user message (a transcript pasted into one message) is cut into content-defined
+    chunks: two agents whose messages hold the same turns after different openings share most
+    of them. An assistant message (an earlier answer, registered whole) and a message shorter
+    than two chunks stay one segment; without a chunk rule (dense storage) nothing is cut."""
+    from sglang_tokendance.srt.prompt_interface import apply_segments, chat_message_texts, segmenter_of
+    from sglang_tokendance.srt.request import RequestOptions
+
+    tokenizer = serving_chat.tokenizer_manager.tokenizer
+    args = TokenDanceArgs(storage="mirror")
+    segmenter = segmenter_of(serving_chat.tokenizer_manager, args)
+    turns = "\n".join(f"{name}: On day {d} the ferry to the island left at {d + 6} and the {name.lower()} "
+                       f"counted {3 * d + 2} crates of apples on the pier." for d, name in
+                       enumerate(["Mira", "Tom", "Oskar", "Ada", "Bram", "Lena"]))
+    answer = ("Mira: The bakery has flour for four more days, and the mill wheel must be mended before the rye "
+              "harvest comes in next week, or the whole village will be short of bread by the festival. Oskar "
+              "can mend it if the smith lends him iron bands; the council should pay him in grain.")
+
+    def spans_of(opening: str, messages_after: list[dict]):
+        messages = [{"role": "system", "content": f"You are {opening}, who lives in Oakvale."},
+                    {"role": "user", "content": f"{opening} reads the log of the day. {turns} What now?"},
+                    *messages_after]
+        body = {"messages": messages}
+        ids = list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                                 return_dict=False))
+        obj = SimpleNamespace(text=None, input_ids=list(ids), sampling_params={"max_new_tokens": 4})
+        apply_segments(obj, segments_field=None, from_chat=True, segmenter=segmenter,
+                       messages=chat_message_texts(body), chunks=args.chunk_rule)
+        return ids, RequestOptions.carried_by(obj.sampling_params["custom_params"])
+
+    ids_a, a = spans_of("Tom, the miller", [{"role": "assistant", "content": answer}])
+    ids_b, b = spans_of("Bram, the ferryman", [{"role": "user", "content": answer}])
+    assert a.content_chunks and b.content_chunks and len(a.spans) > 3
+    shared = {s.hash for s in a.spans} & {s.hash for s in b.spans}
+    turn_tokens = len(tokenizer.encode(turns, add_special_tokens=False))
+    assert sum(s.end - s.start for s in b.spans if s.hash in shared) > 0.6 * turn_tokens
+    answer_ids = tokenizer.encode(answer, add_special_tokens=False)
+    assert ids_a[a.spans[-1].start:a.spans[-1].end] == answer_ids  # the assistant's answer: one segment
+    assert b.spans[-1].end - b.spans[-1].start < len(answer_ids)  # the same text as a user's: chunks
+    dense = SimpleNamespace(text=None, input_ids=list(ids_a), sampling_params={"max_new_tokens": 4})
+    apply_segments(dense, segments_field=None, from_chat=True, segmenter=segmenter,
+                   messages=[("system", "x"), ("user", turns)], chunks=None)
+    whole = RequestOptions.carried_by(dense.sampling_params["custom_params"])
+    assert not whole.content_chunks and len(whole.spans) <= 1

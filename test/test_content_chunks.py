@@ -67,6 +67,21 @@ def test_bad_rules_are_refused(bad):
         ChunkRule(**{"min_tokens": 16, "spacing": 8, "window": 2, "max_tokens": 256, **bad})
 
 
+@settings(max_examples=60, deadline=None)
+@given(ids)
+def test_a_messages_chunks_cover_it_each_at_least_a_segment(message):
+    """A message shorter than two chunks on average is one; a longer one is cut, every chunk
+    (its last joined to the one before when short) at least `min_tokens` long."""
+    chunks = RULE.message_chunks(message)
+    assert [start for start, _ in chunks] == [0, *(end for _, end in chunks[:-1])]
+    assert chunks[-1][1] == len(message)
+    if len(message) < 2 * (RULE.spacing + RULE.min_tokens):
+        assert chunks == [(0, len(message))]
+    else:
+        assert all(end - start >= RULE.min_tokens for start, end in chunks)
+        assert chunks[:-1] == RULE.chunks(message)[:len(chunks) - 1]
+
+
 class _Words:
     def encode(self, text, add_special_tokens=True):
         return [hash(w) % 1000 for w in text.split()]

@@ -5,6 +5,7 @@ neighbours, where the content-defined cuts fall inside the shared text's head an
 from __future__ import annotations
 
 import pytest
+import requests
 
 from conftest import emptied, generate
 
@@ -29,3 +30,28 @@ def test_a_shared_text_is_read_past_the_chunks_it_shares_whole(default_server_ur
     assert reader["segment_hits"] >= 1 and whole > 0
     # the chunk found whole, and the shared text's head and tail in the chunks beside it
     assert whole < reader["reused_tokens"] <= meta["prompt_tokens"] - len(" Bram says:".split())
+
+
+def chat(url: str, messages: list[dict], max_tokens: int) -> dict:
+    r = requests.post(url + "/v1/chat/completions", timeout=900, json={
+        "model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0})
+    r.raise_for_status()
+    return r.json()
+
+
+def test_a_transcript_pasted_into_one_chat_message_is_read_by_the_next_agent(default_server_url):
+    """An unmodified chat client that sends the group's transcript as one user message after
+    its own system message: the second agent's message holds the same turns after another
+    opening, and reads them from the first agent's chunks (one segment per message would miss)."""
+    url = emptied(default_server_url)
+    turns = "\n".join(f"{name}: {SHARED}" if i == 1 else f"{name}: I will bring {i + 2} sacks of rye to the mill."
+                      for i, name in enumerate(["Mira", "Oskar", "Ada"]))
+
+    def agent(persona: str) -> list[dict]:
+        return [{"role": "system", "content": f"You are {persona} of Oakvale."},
+                {"role": "user", "content": f"The log of the meeting, as {persona.split(',')[0]} heard it:\n{turns}\n"
+                                            "What do you say?"}]
+
+    chat(url, agent("Ada, the weaver"), 1)
+    reader = chat(url, agent("Bram, the ferryman"), 4)["metadata"]["tokendance"]
+    assert reader["segment_hits"] >= 2 and reader["reused_tokens"] > 0

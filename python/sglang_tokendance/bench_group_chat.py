@@ -1,10 +1,11 @@
 """`python -m sglang_tokendance.bench_group_chat`: unmodified clients -- no markers, no names --
 against stock radix on the same prompts, with a client that marks and names beside them.
 
-Three client shapes. `chat`: an AutoGen-style group chat through /v1/chat/completions: each
+Four client shapes. `chat`: an AutoGen-style group chat through /v1/chat/completions: each
 agent's request is its own system message (its persona and notes), then the group's
 conversation so far as user messages (every agent's turn, in the order spoken), then a short
-"your turn" message. `text`: a plain-text simulation through /v1/completions: the same notes,
+"your turn" message. `transcript`: the same chat with the conversation and the turn pasted
+into one user message. `text`: a plain-text simulation through /v1/completions: the same notes,
 conversation and turn concatenated into one prompt. `marked`: the text client written for
 TokenDance, the gap an unmodified client leaves: each turn between separators, each round
 named with its size. A `--disable-tokendance` server (SGLang's own prefill and radix cache:
@@ -60,6 +61,14 @@ def chat_body(sim: Simulation, agent: int, conversation: list[str], round_index:
     return {"messages": chat_messages(sim, agent, conversation, round_index)}
 
 
+def transcript_body(sim: Simulation, agent: int, conversation: list[str], round_index: int) -> dict:
+    """The chat client that pastes the conversation into one user message after its system
+    message (as a LangGraph or CAMEL loop that keeps the transcript as a string does)."""
+    notes, *turns, turn = (m["content"] for m in chat_messages(sim, agent, conversation, round_index))
+    return {"messages": [{"role": "system", "content": notes},
+                         {"role": "user", "content": "\n\n".join([*turns, turn])}]}
+
+
 def text_body(sim: Simulation, agent: int, conversation: list[str], round_index: int, marker: str = "") -> dict:
     """The plain-text simulation: the chat's messages concatenated, as a simulation loop would,
     ending where the agent's turn begins ("Name:"); each turn between `marker`s."""
@@ -99,7 +108,8 @@ def ask_text(url: str, body: dict, max_tokens: int, top: int) -> dict:
             "tokendance": (body.get("metadata") or {}).get("tokendance", {})}
 
 
-CLIENTS = {"chat": (chat_body, ask_chat), "text": (text_body, ask_text), "marked": (marked_body, ask_text)}
+CLIENTS = {"chat": (chat_body, ask_chat), "transcript": (transcript_body, ask_chat), "text": (text_body, ask_text),
+           "marked": (marked_body, ask_text)}
 
 
 def peak_kv_while(url: str, done: threading.Event, peak: list[int], interval: float = 0.2) -> None:

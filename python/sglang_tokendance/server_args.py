@@ -61,8 +61,9 @@ class TokenDanceArgs:
     chat_segments: bool = _option(
         True, "Each /v1/chat/completions message at least --tokendance-min-segment-tokens long is a segment, with no "
         "markers (found, tokenised alone, in SGLang's own ids of the rendered chat template, whose text stays "
-        "private); a chat holding separators is split at them alone (--no-tokendance-chat-segments: only marked "
-        "text is)."
+        "private), one at least two content chunks long but an assistant's cut into its chunks where "
+        "--tokendance-content-chunks is on; a chat holding separators is split at them alone "
+        "(--no-tokendance-chat-segments: only marked text is)."
     )
 
     content_chunks: int = _option(

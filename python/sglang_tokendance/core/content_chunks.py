@@ -70,3 +70,15 @@ class ChunkRule:
         if start < len(ids):
             spans.append((start, len(ids)))
         return spans
+
+    def message_chunks(self, ids: Sequence[int]) -> list[tuple[int, int]]:
+        """A whole message's chunks: [(0, len)] for a message shorter than two chunks on average
+        (`spacing` + `min_tokens` each: cutting it finds nothing its whole would not), else
+        `chunks` with a last chunk shorter than `min_tokens` joined to the one before, so every
+        token of a message shared whole is in a segment."""
+        if len(ids) < 2 * (self.spacing + self.min_tokens):
+            return [(0, len(ids))]
+        spans = self.chunks(ids)
+        if len(spans) > 1 and spans[-1][1] - spans[-1][0] < self.min_tokens:
+            spans[-2:] = [(spans[-2][0], spans[-1][1])]
+        return spans

@@ -15,7 +15,7 @@ import hashlib
 import re
 from array import array
 from dataclasses import dataclass
-from typing import Iterable, Protocol, Sequence, Union
+from typing import Container, Iterable, Protocol, Sequence, Union
 
 from sglang_tokendance.core.content_chunks import ChunkRule
 
@@ -141,26 +141,33 @@ class Segmenter:
             input_ids.extend(ids)
         return SegmentedPrompt(input_ids, tuple(spans))
 
-    def find_texts(self, input_ids: Sequence[int], texts: Iterable[str]) -> SegmentedPrompt:
+    def find_texts(self, input_ids: Sequence[int], texts: Iterable[str], rule: ChunkRule | None = None,
+                   whole: Container[int] = ()) -> SegmentedPrompt:
         """The prompt `input_ids` with each of `texts` that it holds, in order, as a segment:
         chat messages in a rendered template, found without markers.
 
         Each text is tokenised alone (its hash is then that of the same text marked anywhere
         else); where the template's text merged a seam token (a trimmed message, a header
         glued to the first word), the text's tokens inside the seams are the segment. A text
-        the ids do not hold, or shorter than a segment, stays private; the ids are untouched."""
+        the ids do not hold, or shorter than a segment, stays private; the ids are untouched.
+        With `rule`, a text at least two chunks long is cut into its content-defined chunks
+        (`ChunkRule.message_chunks`): a transcript pasted into one message shares its turns with
+        prompts that hold them in other messages or at other offsets. Texts whose index is in
+        `whole` stay one segment (an assistant message: an earlier answer, registered whole)."""
         haystack = array("q", input_ids).tobytes()
         spans: list[SegmentSpan] = []
         cursor = 0
-        for text in texts:
-            if len(spans) == self.max_segments:
+        for index, text in enumerate(texts):
+            if len(spans) >= self.max_segments:
                 break
             found = self._find_text(haystack, text, cursor)
             if found is not None:
                 start, ids = found
-                spans.append(SegmentSpan(start, start + len(ids), segment_hash(ids, self.model_salt)))
+                pieces = [(0, len(ids))] if rule is None or index in whole else rule.message_chunks(ids)
+                spans.extend(SegmentSpan(start + s, start + e, segment_hash(ids[s:e], self.model_salt))
+                             for s, e in pieces if e - s >= self.min_segment_tokens)
                 cursor = start + len(ids)
-        return SegmentedPrompt(list(input_ids), tuple(spans))
+        return SegmentedPrompt(list(input_ids), tuple(spans[:self.max_segments]))
 
     def content_chunks(self, input_ids: Sequence[int], rule: ChunkRule) -> SegmentedPrompt:
         """The prompt `input_ids` with its content-defined chunks (core/content_chunks) as

@@ -8,9 +8,11 @@
 * /v1/chat/completions: each message long enough to be a segment is one (found, tokenised
   alone, in SGLang's own ids of the rendered template; the template's text stays private),
   and the answer is registered as a segment (`register_output`) for the next turns that quote
-  it (--no-tokendance-chat-segments: marked text only). When a message holds a separator, the
-  template renders the chat to text (SGLang's own render step, markers intact) and the text is
-  sent on instead of SGLang's ids, so the markers alone split it, as in a plain prompt.
+  it (--no-tokendance-chat-segments: marked text only). A long message but an assistant's
+  (a transcript pasted into one message) is cut into its content-defined chunks, as a plain
+  prompt is. When a message holds a separator, the template renders the chat to text
+  (SGLang's own render step, markers intact) and the text is sent on instead of SGLang's ids,
+  so the markers alone split it, as in a plain prompt.
 * The client's options come from its `tokendance` field, or as JSON text in the string map a
   router passes on (`custom_labels` on /generate, `metadata` on OpenAI requests; srt/request).
 * Offsets and hashes ride to the scheduler inside `sampling_params.custom_params` under a key
@@ -44,7 +46,7 @@ def register(args: TokenDanceArgs) -> None:
     rule = args.chunk_rule
 
     def generate_request(original, self, obj, request=None, *rest, **kw):
-        return _generate_request(original, args, rule is not None, self, obj, request, *rest, **kw)
+        return _generate_request(original, args, rule, self, obj, request, *rest, **kw)
 
     def validate_prompt(original, self, obj, input_ids, *rest, **kw):
         result = refuse_unservable_prompt(original, self, obj, input_ids, *rest, **kw)
@@ -105,7 +107,7 @@ def special_token_strings(tokenizer) -> list[str]:
 # --- requests ---------------------------------------------------------------------------
 
 
-async def _generate_request(original, args, chunks: bool, tokenizer_manager, obj, request, *rest, **kw):
+async def _generate_request(original, args, rule: ChunkRule | None, tokenizer_manager, obj, request, *rest, **kw):
     from sglang.srt.managers.io_struct import GenerateReqInput
 
     if isinstance(obj, GenerateReqInput):
@@ -120,7 +122,7 @@ async def _generate_request(original, args, chunks: bool, tokenizer_manager, obj
             apply_segments(obj, segments_field=segments, from_chat=chat,
                            segmenter=segmenter_of(tokenizer_manager, args), options=options,
                            messages=chat_message_texts(body) if chat and args.chat_segments and args.kv_enabled else (),
-                           find_chunks=chunks and not chat and not _multimodal(obj))
+                           chunks=None if _multimodal(obj) else rule)
         except SegmentError as e:
             raise ValueError(str(e)) from None
     async for out in original(tokenizer_manager, obj, request, *rest, **kw):
@@ -128,15 +130,16 @@ async def _generate_request(original, args, chunks: bool, tokenizer_manager, obj
 
 
 def apply_segments(obj, *, segments_field, from_chat: bool, segmenter: Segmenter,
-                   options: RequestOptions = RequestOptions(), messages: Sequence[str] = (),
-                   find_chunks: bool = False) -> None:
+                   options: RequestOptions = RequestOptions(), messages: Sequence[tuple[str, str]] = (),
+                   chunks: ChunkRule | None = None) -> None:
     """Rewrite a GenerateReqInput in place: segmented prompts become ids + carried spans.
 
     Chat prompts are rendered templates, which SGLang encodes without added special tokens;
-    an unmarked one keeps SGLang's ids, its `messages` (their texts) found in them as segments,
-    and registers its answer (n = 1): a framework appending it to the history reuses it.
-    Other unmarked prompts keep SGLang's path; with `find_chunks`, each is marked to be cut
-    into content-defined chunks once SGLang has its ids (`cut_content_chunks`).
+    an unmarked one keeps SGLang's ids, its `messages` ((role, text) pairs) found in them as
+    segments, each long one but an assistant's cut into its content-defined `chunks`
+    (`Segmenter.find_texts`), and registers its answer (n = 1): a framework appending it to
+    the history reuses it. Other unmarked prompts keep SGLang's path; with `chunks`, each is
+    marked to be cut into content-defined chunks once SGLang has its ids (`cut_content_chunks`).
     `options` (the client's, validated) ride along to the scheduler with every prompt.
     """
     strip_client_carrier(obj)
@@ -151,12 +154,14 @@ def apply_segments(obj, *, segments_field, from_chat: bool, segmenter: Segmenter
         items = texts if batched else [texts]
         if texts is None or not any(isinstance(t, str) and segmenter.has_marker(t) for t in items):
             if messages and texts is None and _batch_size(obj) is None and isinstance(obj.input_ids, list):
-                found = segmenter.find_texts(obj.input_ids, messages).spans
+                assistant = {i for i, (role, _) in enumerate(messages) if role == "assistant"}
+                found = segmenter.find_texts(obj.input_ids, [text for _, text in messages], chunks, assistant).spans
                 single = (obj.sampling_params or {}).get("n") in (None, 1)
-                _carry(obj, [replace(options.with_spans(found), register_output=options.register_output or single)],
-                       False)
+                cut = any(a.end == b.start for a, b in zip(found, found[1:]))  # the template parts messages
+                _carry(obj, [replace(options.with_spans(found), register_output=options.register_output or single,
+                                     content_chunks=cut)], False)
                 return
-            if find_chunks:
+            if chunks is not None and not from_chat:
                 options = replace(options, find_chunks=True)
             if options != RequestOptions():  # a plain prompt keeps SGLang's own path; only the options ride along
                 count = _batch_size(obj)
@@ -189,15 +194,16 @@ def _multimodal(obj) -> bool:
                                                                     "input_embeds"))
 
 
-def chat_message_texts(body: Any) -> list[str]:
-    """The text of each message of a chat request, in order (a string content, or the text
-    parts of a list of parts)."""
+def chat_message_texts(body: Any) -> list[tuple[str, str]]:
+    """(role, text) of each message of a chat request, in order (a string content, or the
+    text parts of a list of parts)."""
     messages = body.get("messages") if isinstance(body, dict) else None
-    texts: list[str] = []
+    texts: list[tuple[str, str]] = []
     for message in messages if isinstance(messages, list) else ():
         content = message.get("content") if isinstance(message, dict) else None
+        role = message.get("role") if isinstance(message, dict) else None
         parts = [content] if isinstance(content, str) else content if isinstance(content, list) else []
-        texts.extend(p if isinstance(p, str) else p.get("text") for p in parts
+        texts.extend((role, p if isinstance(p, str) else p.get("text")) for p in parts
                      if isinstance(p, str) or (isinstance(p, dict) and isinstance(p.get("text"), str)))
     return texts
 
