@@ -117,6 +117,24 @@ def test_rounds_feed_outputs_forward(fake, mode):
     assert result.summary()["peak_kv_used_tokens"] == 7
 
 
+def test_a_simulation_thinks_between_its_rounds_not_after_its_last(fake):
+    """--think-seconds: each session pauses between its rounds (its world steps), so another
+    session's round can start meanwhile; none after its last round; a negative pause is refused."""
+    from sglang_tokendance.bench_multiagent import parse_args
+
+    config = WorkloadConfig(**{**PRESETS["generative_agents"].__dict__, "num_agents": 2, "num_rounds": 3,
+                               "think_seconds": 0.3})
+    result = asyncio.run(run_load(fake.url, MODES["radix"], config, 1, float("inf"), Progress()))
+    starts = sorted(r.start for r in result.rounds)
+    ends = sorted(r.start + r.latency for r in result.rounds)
+    assert all(start - end >= 0.3 for start, end in zip(starts[1:], ends))
+    assert result.wall < sum(r.latency for r in result.rounds) + 2 * 0.3 + 0.25  # no pause after the last
+    with pytest.raises(ValueError):
+        WorkloadConfig(think_seconds=-1.0)
+    with pytest.raises(SystemExit):
+        parse_args(["--think-seconds", "-2"])
+
+
 @pytest.mark.parametrize("mode", ["radix", "tokendance-kept"])
 def test_a_conversation_prompt_extends_the_agents_previous_prompt_and_answer(fake, mode):
     fake.bodies.clear()

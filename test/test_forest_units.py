@@ -420,8 +420,8 @@ def reading_req(forest, pool_index: int, spans: list[SegmentSpan], prompt_len: i
     req = Req(**vars(fake_req(spans, prompt_len)))
     for span in spans:
         req.origin_input_ids[span.start:span.end] = range(100, 100 + span.end - span.start)
-    req.__dict__.update(prefix_len=0, extend_end=prompt_len, last_node=None, lora_id=None, return_logprob=False,
-                        logprob_start_len=-1, return_hidden_states=False, input_embeds=None,
+    req.__dict__.update(rid=f"req-{pool_index}", prefix_len=0, extend_end=prompt_len, last_node=None, lora_id=None,
+                        return_logprob=False, logprob_start_len=-1, return_hidden_states=False, input_embeds=None,
                         multimodal_inputs=None, kv=SimpleNamespace(req_pool_idx=pool_index))
     return req
 
@@ -1055,3 +1055,39 @@ def test_a_reader_admitted_is_charged_the_slots_it_will_allocate_and_holds_its_m
     for req, n in ((reader, 20), (wants_hidden, 10), (second, 16)):
         release(forest, req, n)
     assert forest.stats()["row_references"] == 0 and forest.evictable_size() == 12 == 64 - allocator.available_size()
+
+
+def test_next_use_eviction_takes_what_no_round_reads_soon_before_sglangs_order():
+    """Under next-use eviction the reads of released requests order eviction before the policy:
+    a leaf whose rounds stopped coming goes first, then the farthest next read; a request
+    outside any round is a round of its own, its path read from its last node to the root.
+    Under recency (the default) the LRU order stays."""
+    import time
+
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    from sglang_tokendance.srt.eviction import record_reads
+
+    def leaves(args):
+        forest = make_forest("lru", args=args)
+        return forest, [add_leaf(forest, [i + 1] * 4, 10 * i, accessed=float(i), created=0.0) for i in range(3)]
+
+    forest, (gone, slow, fast) = leaves(TokenDanceArgs(eviction="next-use"))
+    now = time.monotonic()
+    for rid, leaf, at in (("g0", gone, -30), ("g1", gone, -29), ("s0", slow, -12), ("s1", slow, -2),
+                          ("f0", fast, -6), ("f1", fast, -3)):
+        forest.next_use.used([], "warm", now + at)  # times the book sees, as record_reads would stamp them
+        forest.next_use.used([id(leaf)], ("request", rid), now + at)
+    assert forest.next_use.uses[id(slow)].period == 10 and forest.next_use.uses[id(fast)].period == 3
+    forest.evict(EvictParams(num_tokens=8))  # gone (dead: unread 29 s, period 1), then slow (next read in 8 s)
+    assert sorted(forest.token_to_kv_pool_allocator.freed) == [0, 1, 2, 3, 10, 11, 12, 13]
+    assert id(gone) not in forest.next_use.uses and id(slow) not in forest.next_use.uses
+    record_reads(forest, SimpleNamespace(last_node=fast, rid="f2"), None)
+    assert forest.next_use.uses[id(fast)].round == ("request", "f2")
+    forest.reset()
+    assert not forest.next_use.uses
+
+    recency, (first, *_) = leaves(TokenDanceArgs())
+    assert recency.next_use is None
+    recency.evict(EvictParams(num_tokens=1))
+    assert recency.token_to_kv_pool_allocator.freed == [0, 1, 2, 3]  # the least recently used

@@ -82,6 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "report how many greedy outputs are identical to its (bench/full_prefill.py)")
     p.add_argument("--num-sessions", type=int, default=1, help="simulations run concurrently")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="session arrivals per second")
+    p.add_argument("--think-seconds", type=float, default=0.0,
+                   help="each simulation's pause between its rounds (its world steps): with several sessions, "
+                        "the others' rounds run meanwhile and its KV waits in the cache")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--output-file", type=Path, default=DEFAULT_OUTPUT,
                    help="JSONL; the Markdown summary and PNG plots are written beside it")
@@ -108,6 +111,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [m for m in args.modes.split(",") if m not in MODES]
     if unknown:
         p.error(f"unknown mode {unknown[0]!r} (known: {', '.join(MODES)})")
+    if not args.think_seconds >= 0:
+        p.error(f"--think-seconds must be non-negative, got {args.think_seconds}")
     args.agents = [int(n) for n in (args.num_agents or ("4,8,16" if args.prefill_only else "0")).split(",")]
     if len(args.agents) > 1 and not args.prefill_only:
         p.error("a list of --num-agents needs --prefill-only")
@@ -133,7 +138,8 @@ def workload_config(args) -> WorkloadConfig:
         "num_agents": args.agents[0] or None, "num_rounds": args.num_rounds, "history_words": args.history_words,
         "block_words": args.block_words, "max_new_tokens": args.max_new_tokens,
     }
-    config = replace(PRESETS[args.preset], seed=args.seed, permute=not args.no_permute, conversation=args.conversation)
+    config = replace(PRESETS[args.preset], seed=args.seed, permute=not args.no_permute, conversation=args.conversation,
+                     think_seconds=args.think_seconds)
     return replace(config, **{k: v for k, v in overrides.items() if v is not None})
 
 

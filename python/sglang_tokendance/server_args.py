@@ -23,6 +23,7 @@ from sglang_tokendance.core.selection import GRANULARITIES, RULES
 
 SELECTION_RULES = tuple(RULES)
 STORAGES = ("auto", "dense", "mirror")
+EVICTIONS = ("next-use", "recency")
 DEFAULT_CHUNK_SPACING = 8  # --tokendance-content-chunks -1 under mirror storage (benchmark/results/content_chunks.md)
 
 ENV_VAR = "SGLANG_TOKENDANCE_CONFIG"
@@ -171,6 +172,13 @@ class TokenDanceArgs:
         "per-request (each request its own top share) or aligned (one kept set per segment two or more members "
         "read: offsets ranked by the members' mean score, the same offsets recomputed in every member)."
     )
+    eviction: str = _option(
+        "recency", "What the cache evicts first under memory pressure, among the tree's leaves and the Masters: "
+        "recency (--radix-eviction-policy alone) or next-use (what no round will read soon: an item unread for "
+        "three of its periods first, then the one whose next read -- its last read by a round plus the time between "
+        "the rounds that read it -- is farthest; --radix-eviction-policy orders the rest). next-use is not the "
+        "default: it has shown no gain yet (benchmark/results/memory_pressure.md)."
+    )
     group_probe: int = _option(
         0, "With aligned group selection: only this many members of a round group probe each segment they share "
         "(the layers up to the check layer); the others adopt the group's choice and compute only their kept "
@@ -194,7 +202,8 @@ class TokenDanceArgs:
                 bounds = f">= {low:g}" if high is None else f"in [{low:g}, {high:g}]"
                 raise TokenDanceArgsError(flag_of(_field(name)), f"must be {bounds}, got {value}")
         for name, choices in (("selection", SELECTION_RULES), ("selection_granularity", GRANULARITIES),
-                              ("storage", STORAGES), ("group_selection", GROUP_SELECTIONS)):
+                              ("storage", STORAGES), ("group_selection", GROUP_SELECTIONS),
+                              ("eviction", EVICTIONS)):
             if getattr(self, name) not in choices:
                 raise TokenDanceArgsError(
                     flag_of(_field(name)), f"must be one of {', '.join(choices)}, got {getattr(self, name)!r}")

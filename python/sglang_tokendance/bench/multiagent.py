@@ -78,6 +78,11 @@ MODES: dict[str, Mode] = {
                             server_args=("--tokendance-recompute-ratio", "1", "--no-tokendance-cost-check")),
     # our server sent prompts without separators: nothing to reuse, it must serve as stock radix does
     "tokendance-unmarked": Mode("tokendance-unmarked", stock=False),
+    # eviction by each item's predicted next read (core/next_use), not by recency alone (the default)
+    "tokendance-next-use": Mode("tokendance-next-use", stock=False, marked=True,
+                                server_args=("--tokendance-eviction", "next-use")),
+    "tokendance-unmarked-next-use": Mode("tokendance-unmarked-next-use", stock=False,
+                                         server_args=("--tokendance-eviction", "next-use")),
     # every matched block blended, even where core/cost estimates SGLang's own path cheaper
     "tokendance-always": Mode("tokendance-always", stock=False, marked=True,
                               server_args=("--no-tokendance-cost-check",)),
@@ -361,6 +366,8 @@ async def run_session(http, url: str, mode: Mode, sim: Simulation, session: int,
             blocks = [message_block(outs[a][2]["text"]) if a in outs else blocks[a] for a in range(len(blocks))]
             earlier = [[*pieces[a], blocks[a]] for a in range(len(blocks))]
         progress.update(1)
+        if round_index + 1 < sim.config.num_rounds:
+            await asyncio.sleep(sim.config.think_seconds)
 
 
 async def cache_blocks(http, url: str, mode: Mode, blocks: list[str], routing_key: str) -> None:

@@ -49,12 +49,15 @@ class WorkloadConfig:
     blocks_cached: bool = False  # round 0's blocks were cached before (another simulation, earlier requests)
     max_new_tokens: int = 104
     seed: int = 0
+    think_seconds: float = 0.0  # a simulation's pause between its rounds (its world steps, its agents act)
 
     def __post_init__(self) -> None:
         _check_preset(self.preset)
         for name in ("num_agents", "num_rounds", "block_words", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.think_seconds < 0:
+            raise ValueError(f"think_seconds must be non-negative, got {self.think_seconds}")
         if self.history_words < 0:
             raise ValueError(f"history_words must be non-negative, got {self.history_words}")
         if self.num_agents > MAX_AGENTS:

@@ -10,7 +10,9 @@ has no extension point for, so it is written here rather than called:
   slots its eviction really frees, not its length (SGLang's count would let an allocation
   that evicted "enough" find the pool still short), and an item none of whose slots it alone
   holds (a leaf whose slots a Master also holds) comes after the items that free slots;
-* an evicted node's slots count one tree owner fewer (srt/tree_slot_counts).
+* an evicted node's slots count one tree owner fewer (srt/tree_slot_counts);
+* (--tokendance-eviction next-use) before the strategy's priority, what no round will read
+  soon goes first (core/next_use: the reads of every released request, by round).
 
 Everything else -- the strategy's priority, `_delete_leaf`, a parent becoming a leaf, the KV
 events and the eviction metrics -- is SGLang's.
@@ -21,7 +23,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Hashable
 
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult
 from sglang.srt.mem_cache.radix_cache import TreeNode
@@ -41,9 +43,11 @@ def evict(forest: SegmentForest, params: EvictParams) -> EvictResult:
     order = itertools.count()  # ties never compare nodes
     priority = forest.eviction_strategy.get_priority
     allocator = forest.token_to_kv_pool_allocator
+    book, now = forest.next_use, time.monotonic()
 
     def entry(item, wanted: bool = False) -> tuple:
-        return wanted, frees_nothing(forest, item), priority(item), next(order), item
+        due = (1, 0.0) if book is None else book.rank(item_key(item), item.last_access_time, now)
+        return wanted, frees_nothing(forest, item), *due, priority(item), next(order), item
 
     heap = [entry(n) for n in forest.evictable_leaves]
     heap += [entry(e, id(e) in forest.batch.wanted) for e in forest.segments.entries.values() if not e.readers]
@@ -54,6 +58,8 @@ def evict(forest: SegmentForest, params: EvictParams) -> EvictResult:
         if not nothing and frees_nothing(forest, item):  # a co-owner's references changed since
             heapq.heappush(heap, entry(item, wanted))
             continue
+        if book is not None:
+            book.forget(item_key(item))
         if isinstance(item, SegmentEntry):
             evicted += freed_by(forest, lambda: forest.storage.drop(item), len(item))
             continue
@@ -66,6 +72,25 @@ def evict(forest: SegmentForest, params: EvictParams) -> EvictResult:
     forest.update_eviction_metrics(evicted, start_time)
     forest.metrics.update_held()
     return EvictResult(num_tokens_evicted=evicted)
+
+
+def item_key(item: TreeNode | SegmentEntry) -> Hashable:
+    """A tree node or a Master, as core/next_use knows it (a node by its identity: SGLang's
+    nodes carry nothing of ours; an evicted one is forgotten)."""
+    return ("master", item.key) if isinstance(item, SegmentEntry) else id(item)
+
+
+def record_reads(forest: SegmentForest, req, state) -> None:
+    """A released request read its prefix's path in the tree and (mirror storage) the Masters
+    its row read in place: one read by its round (srt/policy's group, or the request alone)."""
+    node, items = req.last_node, []
+    while node is not None and node is not forest.root_node:
+        items.append(id(node))
+        node = node.parent
+    if state is not None:
+        items += [item_key(entry) for entry in state.reading]
+    round_key = state.round if state is not None and state.round is not None else ("request", req.rid)
+    forest.next_use.used(items, round_key, time.monotonic())
 
 
 def frees_nothing(forest: SegmentForest, item: TreeNode | SegmentEntry) -> bool:

@@ -57,6 +57,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 
 from sglang_tokendance.core.cost import PrefillCost, serving_cost
+from sglang_tokendance.core.next_use import NextUse
 from sglang_tokendance.core.recurrence import Sightings
 from sglang_tokendance.core.segments import segment_hash
 from sglang_tokendance.core.selection import rule_named
@@ -123,6 +124,7 @@ class SegmentForest(RadixCache):
         self.blend, self.rule = args.blend_options(), rule_named(args.selection)
         self.min_segment_tokens = args.min_segment_tokens
         self.sightings = Sightings() if args.exact_recurrence else None  # blocks to compute exactly where they recur
+        self.next_use = NextUse() if args.eviction == "next-use" else None  # when rounds will read items again
         self.requests: dict[object, RequestReuse] = {}  # SGLang's Req -> its reuse, until released
         allocator = params.token_to_kv_pool_allocator
         if args.mirror_storage and not isinstance(allocator, RefCountedAllocator):
@@ -161,6 +163,8 @@ class SegmentForest(RadixCache):
         self.storage.clear()
         if self.sightings is not None:
             self.sightings.clear()
+        if self.next_use is not None:
+            self.next_use.clear()
         self.metrics.update_held()
 
     def checkpoint(self, req, *, up_to: int) -> None:
@@ -183,6 +187,9 @@ class SegmentForest(RadixCache):
 
     def on_release(self, req, *, checkpointed: bool) -> None:
         """SGLang released the request (finished, aborted or retracted): drop its state."""
+        state = self.requests.get(req)
+        if self.next_use is not None and not self.disable:
+            eviction.record_reads(self, req, state)
         super().on_release(req, checkpointed=checkpointed)
         state = self.requests.pop(req, None)
         if state is None:
