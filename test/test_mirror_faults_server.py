@@ -44,7 +44,10 @@ def server(tiny_llama):
                         "--tokendance-round-min-shared", "0",  # readers sent together are not a round
                         # a named round of known size is released once complete: under load its
                         # threads' requests can reach the scheduler more than the default 50 ms apart
-                        "--tokendance-round-window-ms", "2000"],
+                        "--tokendance-round-window-ms", "2000",
+                        # eviction by predicted next read (not the default): its ranks under the same
+                        # pressure and strict pool accounting
+                        "--tokendance-eviction", "next-use"],
                        env={"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY": "1"}) as proc:
         cache_every_block(proc.url)
         assert forest_stats(proc.url)["segment_nodes"] == len(BLOCKS)
@@ -99,6 +102,7 @@ def test_a_pinned_master_survives_eviction_pressure(server):
             list(pool.map(lambda text: post(server, text, 1), flood))
         stats = forest_stats(server)
         assert stats["segments_evicted"] > before["segments_evicted"], "the pool was not under pressure"
+        assert stats["next_use_periodic_items"] > 0  # blocks read by more than one request: ranked by period
         assert stats["pinned_segments"] == 3
         again = post(server, agent_prompt(12, 3), 1)["meta_info"]["tokendance"]  # the same blocks as agent 4
         assert again["segment_hits"] == 3

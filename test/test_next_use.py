@@ -29,6 +29,7 @@ def test_the_farthest_next_read_goes_first_and_an_overdue_item_before_it():
     assert ranks["gone"] == (0, 0.0)  # unread for 9 s, three periods of 2
     assert ranks["slow"] < ranks["fast"]  # next reads at 20 and 15: slow goes first
     assert book.rank("new", 10.5, 11.0) == (1, -(10.5 + book.typical))  # the typical period
+    assert book.periodic() == 3
 
 
 def test_the_book_is_bounded_forgets_and_clears():

@@ -62,6 +62,10 @@ class NextUse:
         while len(self.uses) > self.limit:
             del self.uses[next(iter(self.uses))]
 
+    def periodic(self) -> int:
+        """Items read by two rounds or more (with a period of their own)."""
+        return sum(1 for use in self.uses.values() if use.period is not None)
+
     def forget(self, item: Hashable) -> None:
         self.uses.pop(item, None)
 

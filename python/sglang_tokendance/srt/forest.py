@@ -318,7 +318,9 @@ class SegmentForest(RadixCache):
                 "live_requests": len(self.requests), "agent_rows_kept": 0 if self.kept is None else self.kept.rows,
                 **self.storage_counts()._asdict(),
                 "segment_only_tokens": self.storage.segment_only_tokens(),
-                "pinned_segments": sum(1 for e in self.segments.entries.values() if e.readers)}
+                "pinned_segments": sum(1 for e in self.segments.entries.values() if e.readers),
+                **({} if self.next_use is None else {"next_use_items": len(self.next_use.uses),
+                                                     "next_use_periodic_items": self.next_use.periodic()})}
 
     def _tree_tokens(self) -> int:
         """Slots the tree holds, each once (mirror storage: several nodes may hold one)."""
