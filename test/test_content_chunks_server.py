@@ -55,3 +55,20 @@ def test_a_transcript_pasted_into_one_chat_message_is_read_by_the_next_agent(def
     chat(url, agent("Ada, the weaver"), 1)
     reader = chat(url, agent("Bram, the ferryman"), 4)["metadata"]["tokendance"]
     assert reader["segment_hits"] >= 2 and reader["reused_tokens"] > 0
+
+
+def test_a_long_answer_quoted_in_another_agents_user_message_is_read_from_its_chunks(default_server_url):
+    """An unmodified chat framework hands one agent's answer to another as a user message. A
+    message that long is cut into content chunks; the answer, registered when it finished, is
+    cached as its chunks too, so the quoting agent reads it from its author's slots."""
+    url = emptied(default_server_url)
+    r = requests.post(url + "/v1/chat/completions", timeout=900, json={
+        "model": "default", "max_tokens": 64, "temperature": 0, "ignore_eos": True, "messages": [
+            {"role": "system", "content": "You are Ada, the weaver of Oakvale."},
+            {"role": "user", "content": "Tell the council what you saw at the river this morning, in detail."}]})
+    r.raise_for_status()
+    answer = r.json()["choices"][0]["message"]["content"]
+    reader = chat(url, [{"role": "system", "content": "You are Bram, the ferryman, who hears every rumour."},
+                        {"role": "user", "content": answer},
+                        {"role": "user", "content": "Bram, what do you say to Ada?"}], 4)["metadata"]["tokendance"]
+    assert reader["segment_hits"] >= 2 and reader["reused_tokens"] > 0

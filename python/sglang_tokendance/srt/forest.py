@@ -123,6 +123,7 @@ class SegmentForest(RadixCache):
         self.salt = salt
         self.blend, self.rule = args.blend_options(), rule_named(args.selection)
         self.min_segment_tokens = args.min_segment_tokens
+        self.chunk_rule = args.chunk_rule  # a registered answer's content chunks are cached too (None: off)
         self.sightings = Sightings() if args.exact_recurrence else None  # blocks to compute exactly where they recur
         self.next_use = NextUse() if args.eviction == "next-use" else None  # when rounds will read items again
         self.requests: dict[object, RequestReuse] = {}  # SGLang's Req -> its reuse, until released
@@ -215,7 +216,10 @@ class SegmentForest(RadixCache):
             state.publish()
 
     def register_output(self, req, state: RequestReuse) -> None:
-        """Cache a finished request's generated text as a segment (srt/output_registration)."""
+        """Cache a finished request's generated text as a segment (srt/output_registration).
+        Where content chunks are on, an answer at least two chunks long is also cached as its
+        chunks (`ChunkRule.message_chunks`), as a chat message holding the same text is cut:
+        another agent quoting it in a user message finds it there."""
         if not self.caches_segments:
             return
         ids = output_segment_ids(req, self.min_segment_tokens)
@@ -223,7 +227,15 @@ class SegmentForest(RadixCache):
             return
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
         output_hash = segment_hash(ids, self.salt)
-        self.storage.cache(state.key(output_hash), ids, row, len(req.origin_input_ids), output_kv_tokens(req, len(ids)))
+        start, with_kv = len(req.origin_input_ids), output_kv_tokens(req, len(ids))
+        self.storage.cache(state.key(output_hash), ids, row, start, with_kv)
+        chunks = [] if self.chunk_rule is None else self.chunk_rule.message_chunks(ids)
+        if len(chunks) > 1:
+            keys = [state.key(segment_hash(ids[a:b], self.salt)) for a, b in chunks]
+            for i, (a, b) in enumerate(chunks):
+                neighbours = (keys[i - 1] if i else None, keys[i + 1] if i + 1 < len(keys) else None)
+                self.storage.cache(keys[i], ids[a:b], row, start + a, max(0, min(b, with_kv) - a),
+                                   neighbours=neighbours)
         if self.sightings is not None:
             self.sightings.record_output(state.namespace, req.origin_input_ids, output_hash)
 

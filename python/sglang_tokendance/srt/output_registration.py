@@ -10,7 +10,9 @@ No tokenizer runs in the scheduler: the segment is keyed by the hash of the gene
 themselves (the stop token dropped: it is not in the text a client gets back). The next
 round's prompt carries that text as a block, which the tokenizer manager tokenises alone with
 the server's tokenizer; when those ids equal the generated ones (the usual case) the hashes
-match and the block hits; when they do not, the block is simply a miss.
+match and the block hits; when they do not, the block is simply a miss. Where content chunks
+are on, a long answer is cached as its chunks too (srt/forest.register_output): a chat message
+that quotes it is cut into the same chunks.
 """
 
 from __future__ import annotations
