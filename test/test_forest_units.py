@@ -1060,7 +1060,8 @@ def test_a_reader_admitted_is_charged_the_slots_it_will_allocate_and_holds_its_m
 def test_next_use_eviction_takes_what_no_round_reads_soon_before_sglangs_order():
     """Under next-use eviction the reads of released requests order eviction before the policy:
     a leaf whose rounds stopped coming goes first, then the farthest next read; a request
-    outside any round is a round of its own, its path read from its last node to the root.
+    outside any round is a round of its own, the path of the prefix it matched read up to the
+    root (not the nodes it wrote after it).
     Under recency (the default) the LRU order stays."""
     import time
 
@@ -1082,7 +1083,10 @@ def test_next_use_eviction_takes_what_no_round_reads_soon_before_sglangs_order()
     forest.evict(EvictParams(num_tokens=8))  # gone (dead: unread 29 s, period 1), then slow (next read in 8 s)
     assert sorted(forest.token_to_kv_pool_allocator.freed) == [0, 1, 2, 3, 10, 11, 12, 13]
     assert id(gone) not in forest.next_use.uses and id(slow) not in forest.next_use.uses
-    record_reads(forest, SimpleNamespace(last_node=fast, rid="f2"), None)
+    reader = SimpleNamespace(matched=fast, reading=[], round=None)  # a request whose prefix matched `fast`
+    record_reads(forest, SimpleNamespace(last_node=None, rid="f2"), reader)
+    assert forest.next_use.uses[id(fast)].round == ("request", "f2")
+    record_reads(forest, SimpleNamespace(last_node=fast, rid="f3"), None)  # no reuse state: no read recorded
     assert forest.next_use.uses[id(fast)].round == ("request", "f2")
     forest.reset()
     assert not forest.next_use.uses

@@ -28,7 +28,8 @@ def test_the_farthest_next_read_goes_first_and_an_overdue_item_before_it():
     ranks = {item: book.rank(item, 0.0, 11.0) for item in ("fast", "slow", "gone")}
     assert ranks["gone"] == (0, 0.0)  # unread for 9 s, three periods of 2
     assert ranks["slow"] < ranks["fast"]  # next reads at 20 and 15: slow goes first
-    assert book.rank("new", 10.5, 11.0) == (1, -(10.5 + book.typical))  # the typical period
+    assert book.rank("written", 10.5, 11.0) == (1, 0.0)  # never read by a round: before every read item
+    assert book.rank("written", 0.0, 30.0) == (0, 0.0)  # ... and dead after three typical periods (7 s)
     assert book.periodic() == 3
 
 

@@ -8,8 +8,10 @@ when a round last read it and the time between the rounds that read it (its peri
 eviction can take first what no round will read soon:
 
 * an item unread for `dead_after` of its periods (its simulation ended, or left it behind);
+* then an item no round has read, only written (a prompt's private tail, an answer nobody
+  quoted), in the caller's order;
 * then the item whose next read (last read + period) is farthest (Belady's rule, predicted);
-* an item read by one round only so far is predicted with the typical period of all items.
+  an item read by one round only so far is predicted with the typical period of all items.
 
 Reads by one round count once: a round's N requests reading a Master within a second are one
 read, not a period of a second. A request outside any round is a round of its own. With no
@@ -75,8 +77,9 @@ class NextUse:
 
     def rank(self, item: Hashable, last_access: float, now: float) -> tuple[int, float]:
         """Eviction rank of `item` (smaller goes first), last touched at `last_access` by the
-        cache's own clock where the book has no read of it: (0, 0) dead, (1, -next read) the
-        farthest first, (1, 0) for every item while no period is known."""
+        cache's own clock: (0, 0) dead, (1, 0) never read by a round (written only: a prompt's
+        tail, an answer), (2, -next read) the farthest first; (1, 0) for every item while no
+        period is known."""
         use = self.uses.get(item)
         period = use.period if use is not None and use.period is not None else self.typical
         if period is None:
@@ -84,4 +87,6 @@ class NextUse:
         last = use.last if use is not None else last_access
         if now - last > self.dead_after * period:
             return 0, 0.0
-        return 1, -(last + period)
+        if use is None:
+            return 1, 0.0
+        return 2, -(last + period)

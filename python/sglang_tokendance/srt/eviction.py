@@ -81,15 +81,16 @@ def item_key(item: TreeNode | SegmentEntry) -> Hashable:
 
 
 def record_reads(forest: SegmentForest, req, state) -> None:
-    """A released request read its prefix's path in the tree and (mirror storage) the Masters
-    its row read in place: one read by its round (srt/policy's group, or the request alone)."""
-    node, items = req.last_node, []
+    """A released request read the path of the prefix it matched (not the nodes it wrote
+    after it) and (mirror storage) the Masters its row read in place: one read by its round
+    (srt/policy's group, or the request alone). A request without reuse state records none."""
+    if state is None:
+        return
+    node, items = state.matched, [item_key(entry) for entry in state.reading]
     while node is not None and node is not forest.root_node:
         items.append(id(node))
         node = node.parent
-    if state is not None:
-        items += [item_key(entry) for entry in state.reading]
-    round_key = state.round if state is not None and state.round is not None else ("request", req.rid)
+    round_key = state.round if state.round is not None else ("request", req.rid)
     forest.next_use.used(items, round_key, time.monotonic())
 
 

@@ -164,6 +164,7 @@ class RequestReuse:
     # the blocks computed exactly because they recur, each with its tokens past the prefix
     recurring: tuple[tuple[SegmentSpan, int], ...] = ()
     round: Hashable | None = None  # the round group it was planned in (srt/policy; None: none)
+    matched: Any = None  # the tree node its prefix matched when its first chunk was planned (what it read)
     _looked_up: set[int] = field(default_factory=set)  # spans counted as a hit or a miss
 
     @property
