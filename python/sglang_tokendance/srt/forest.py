@@ -188,9 +188,8 @@ class SegmentForest(RadixCache):
 
     def on_release(self, req, *, checkpointed: bool) -> None:
         """SGLang released the request (finished, aborted or retracted): drop its state."""
-        state = self.requests.get(req)
         if self.next_use is not None and not self.disable:
-            eviction.record_reads(self, req, state)
+            eviction.record_reads(self, req, self.requests.get(req))
         super().on_release(req, checkpointed=checkpointed)
         state = self.requests.pop(req, None)
         if state is None:
