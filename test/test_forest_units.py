@@ -1077,7 +1077,6 @@ def test_next_use_eviction_takes_what_no_round_reads_soon_before_sglangs_order()
     now = time.monotonic()
     for rid, leaf, at in (("g0", gone, -30), ("g1", gone, -29), ("s0", slow, -12), ("s1", slow, -2),
                           ("f0", fast, -6), ("f1", fast, -3)):
-        forest.next_use.used([], "warm", now + at)  # times the book sees, as record_reads would stamp them
         forest.next_use.used([id(leaf)], ("request", rid), now + at)
     assert forest.next_use.uses[id(slow)].period == 10 and forest.next_use.uses[id(fast)].period == 3
     forest.evict(EvictParams(num_tokens=8))  # gone (dead: unread 29 s, period 1), then slow (next read in 8 s)

@@ -124,10 +124,12 @@ class BatchReuse:
 
     def _plan(self, req, state: RequestReuse) -> ChunkPlan:
         """The plan of `req`'s chunk [prefix_len, extend_end), counted (srt/reuse)."""
-        plan = state.plan_chunk(self.segments, req.prefix_len, req.extend_end, self.forest.group_of(req), self.cost,
+        group = self.forest.group_of(req)
+        plan = state.plan_chunk(self.segments, req.prefix_len, req.extend_end, group, self.cost,
                                 self.max_approximate, self._plans_ahead(req))
         if state.matched is None:  # its first chunk: the node its prefix matched is what it read of the tree
             state.matched = req.last_node
+        state.round = group if group is not None else state.round
         self.forest.metrics.count_restore(plan.hits, plan.misses)
         if plan.fell_back:
             self.forest.metrics.count_fallback(plan.fell_back)

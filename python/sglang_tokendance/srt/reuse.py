@@ -163,8 +163,9 @@ class RequestReuse:
     kept_approximate: int = 0  # approximate positions of the kept row it continues: spent of its fidelity budget
     # the blocks computed exactly because they recur, each with its tokens past the prefix
     recurring: tuple[tuple[SegmentSpan, int], ...] = ()
-    round: Hashable | None = None  # the round group it was planned in (srt/policy; None: none)
-    matched: Any = None  # the tree node its prefix matched when its first chunk was planned (what it read)
+    # what it read, for eviction by next use (srt/eviction.record_reads), noted when its chunks are planned:
+    round: Hashable | None = None  # the round group it was admitted with (srt/policy; None: none)
+    matched: Any = None  # the tree node its prefix matched when its first chunk was planned
     _looked_up: set[int] = field(default_factory=set)  # spans counted as a hit or a miss
 
     @property
@@ -256,8 +257,6 @@ class RequestReuse:
         it covered (a span cached since is computed) and recomputes its part of it; its cost was
         weighed when it was made."""
         plan, looked_up = self._chunk_plan(table, prefix_len, extend_end, group, cost, max_approximate, plan_ahead)
-        if group is not None:
-            self.round = group
         ids = self.req.origin_input_ids
         if self.recurring:  # counted once, where a Master would have been read
             self.counts.exact_recurring_tokens = sum(tokens for span, tokens in self.recurring
