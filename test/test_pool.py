@@ -245,7 +245,6 @@ class OwnerModel:
         tree = {s for slots, _ in self.nodes for s in slots}
         return len(freeable), len(tree_or_master - freeable), len(tree), len(owners)
 
-
     def master_counts(self) -> tuple[int, int, int]:
         """(slots some Master holds, slots only Masters hold, row positions reading in place)."""
         held = {s for slots, _ in self.masters for s in slots}
