@@ -41,6 +41,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--server-args", default="--chunked-prefill-size 16384 --mem-fraction-static 0.5",
                    help="extra flags for every server")
     p.add_argument("--output", type=Path, default=Path("benchmark/results/profile.md"))
+    p.add_argument("--whole-rounds", action="store_true",
+                   help="time and sample whole rounds (prefill and decode), not prefill-only ones")
     p.add_argument("--render", action="store_true", help="only rebuild the Markdown from a previous run's files")
     return p.parse_args(argv)
 
@@ -63,12 +65,12 @@ def profile_mode(args, mode_name: str, stacks: Path) -> dict:
             async with aiohttp.ClientSession() as http:
                 with tqdm(total=config.num_rounds, desc=f"profile {mode.name}", unit="round") as progress:
                     await run_session(http, server.url, mode, make_simulation(config), 0, result, progress,
-                                      prefill_only=True, watch=watch)
+                                      prefill_only=not args.whole_rounds, watch=watch)
 
         asyncio.run(go())
-    timed = [r.prefill for r in result.rounds if r.round > 0]
-    return {"mode": mode.name, "rounds_profiled": len(timed), "prefill_s": sum(timed),
-            "cpu_busy_before": idle["cpu_busy_fraction"]}
+    timed = [r for r in result.rounds if r.round > 0]
+    return {"mode": mode.name, "rounds_profiled": len(timed), "prefill_s": sum(r.prefill for r in timed),
+            "latency_s": sum(r.latency for r in timed), "cpu_busy_before": idle["cpu_busy_fraction"]}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -83,8 +85,10 @@ def main(argv: list[str] | None = None) -> None:
         command = report.command_line("sglang_tokendance.bench_profile", argv)
         summary = [profile_mode(args, name, path) for name, path in stacks.items()]
         summary_path.write_text(json.dumps({"command": command, "summary": summary}, indent=1))
-    sections = [("Profiled rounds (prefill only, rounds 1 on: those with reuse)",
-                 report.markdown_table(summary, ["mode", "rounds_profiled", "prefill_s", "cpu_busy_before"]))]
+    what = "whole rounds" if args.whole_rounds else "prefill only"
+    sections = [(f"Profiled rounds ({what}, rounds 1 on: those with reuse)",
+                 report.markdown_table(summary, ["mode", "rounds_profiled", "prefill_s", "latency_s",
+                                                 "cpu_busy_before"]))]
     for name, path in stacks.items():
         collapsed = path.read_text()
         for title, rules in ((f"{name}: by operation", OPERATIONS), (f"{name}: by phase", PHASES)):
