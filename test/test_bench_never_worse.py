@@ -85,10 +85,11 @@ def test_every_shape_serves_at_least_radixs_exact_tokens(tmp_path, tiny_llama):
             continue
         assert row["last_round_exact_tokens"] + row["last_round_kept_tokens"] >= \
             row["last_round_exact_tokens_radix"] > 0, shape
-    # the shapes reuse (unmarked prompts: their content-defined chunks), and lose no exact token at
-    # the end. (Static and chunked are not pinned to reuse: in one of two full runs on this tiny
-    # model one of them read nothing, so their check above can pass with reuse off.)
-    assert rows["all-gather"]["approximate_tokens"] > 0 and rows["unmarked"]["approximate_tokens"] > 0
+    # every shape reuses (unmarked prompts: their content-defined chunks; static: its rotated
+    # statements, its briefing being exact), so the check above cannot pass with reuse off. (Static
+    # and chunked once read nothing in one of two full runs, before an unnamed arrival waited
+    # for a prefilling request's blocks; five runs of both beside a CPU hog read 17 and 100 tokens.)
+    assert all(row["approximate_tokens"] > 0 for shape, row in rows.items() if shape != "static-cached"), rows
     assert out.with_suffix(".md").exists() and out.with_suffix(".png").stat().st_size > 0
 
 
