@@ -135,7 +135,7 @@ def forest_stats(url: str) -> dict | None:
 def assert_no_leak(url: str, timeout: float = 20.0) -> None:
     """At quiescence, before any flush: every used KV slot belongs to the radix tree or to a
     segment (Master), each slot counted once (under mirror storage a Master can hold the
-    tree's own slots), the tree holds no lock, no Master is pinned by a row, and no
+    tree's own slots), the tree holds no lock but clients' pins, no Master is pinned by a row, and no
     per-request state is left behind (so no live own slots). The scheduler releases a request
     just after answering it, so this waits a little for quiescence."""
     import time
@@ -147,7 +147,8 @@ def assert_no_leak(url: str, timeout: float = 20.0) -> None:
             return
         used = stats["pool_tokens"] - stats["free_tokens"]
         owned = stats["tree_tokens"] + stats["segment_only_tokens"]
-        quiet = stats["tree_protected_tokens"] == 0 and stats["live_requests"] == 0 and stats["pinned_segments"] == 0
+        quiet = stats["tree_protected_tokens"] == stats["hint_pinned_tokens"] and stats["live_requests"] == 0 \
+            and stats["pinned_segments"] == 0
         if (quiet and used == owned) or time.monotonic() > deadline:
             break
         time.sleep(0.5)

@@ -67,7 +67,7 @@ def add_leaf(forest, ids: list[int], first_slot: int, accessed: float, created: 
 
     forest.insert(InsertParams(key=RadixKey(array("q", ids)),
                                value=torch.arange(first_slot, first_slot + len(ids))))
-    leaf = next(n for n in forest.evictable_leaves if int(n.value[0]) == first_slot)
+    leaf = next(n for n in forest.evictable_leaves if int(n.value[-1]) == first_slot + len(ids) - 1)
     leaf.last_access_time, leaf.creation_time = accessed, created
     return leaf
 
@@ -1094,3 +1094,98 @@ def test_next_use_eviction_takes_what_no_round_reads_soon_before_sglangs_order()
     assert recency.next_use is None
     recency.evict(EvictParams(num_tokens=1))
     assert recency.token_to_kv_pool_allocator.freed == [0, 1, 2, 3]  # the least recently used
+
+
+def hinted_release(forest, node, payload: dict, state=None):
+    """SGLang releasing a finished request whose options carry `payload` and whose path ends
+    at `node`."""
+    import json
+
+    req = Req(sampling_params=SimpleNamespace(custom_params={CARRIER_KEY: json.dumps(payload)}),
+              finished=lambda: True, last_node=node, rid="r")
+    if state is not None:
+        forest.requests[req] = state
+    forest.on_release(req, checkpointed=True)
+
+
+def test_a_released_requests_own_tail_is_evicted_first_until_something_reads_it_again():
+    """Before, the newest leaf went last (LRU); a request released with `release` sends the
+    tail only it holds first, not the prefix another path branches from."""
+    import time
+
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    forest = make_forest()
+    old = add_leaf(forest, [1, 2, 3, 4], 0, accessed=1.0, created=0.0)
+    add_leaf(forest, [5, 6, 7, 8, 9], 10, accessed=2.0, created=0.0)  # shares nothing
+    mine = add_leaf(forest, [5, 6, 7, 8, 1, 1], 16, accessed=3.0, created=0.0)  # [5, 6, 7, 8] split off
+    assert mine.value.tolist() == [20, 21]
+    hinted_release(forest, mine, {"segments": [], "release": True})
+    assert forest.hints.stats()["hint_marks"] == 1  # [1, 1] alone: its parent [5, 6, 7, 8] has another child
+    forest.evict(EvictParams(num_tokens=1))
+    assert sorted(forest.token_to_kv_pool_allocator.freed) == [20, 21]
+    forest.evict(EvictParams(num_tokens=1))
+    assert sorted(forest.token_to_kv_pool_allocator.freed) == [0, 1, 2, 3, 20, 21]  # then LRU: `old`
+    assert old not in forest.evictable_leaves
+
+    again = make_forest()
+    add_leaf(again, [1, 2, 3, 4], 0, accessed=1.0, created=0.0)
+    read = add_leaf(again, [9, 9], 30, accessed=2.0, created=0.0)
+    hinted_release(again, read, {"segments": [], "release": True})
+    time.sleep(0.01)
+    again.match_prefix(MatchPrefixParams_of(RadixKey(array("q", [9, 9]))))  # another request reads it
+    again.evict(EvictParams(num_tokens=1))
+    assert again.token_to_kv_pool_allocator.freed == [0, 1, 2, 3]  # LRU again
+
+
+def MatchPrefixParams_of(key):
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+
+    return MatchPrefixParams(key=key)
+
+
+def test_a_retained_path_and_its_masters_go_after_everything_else_until_the_deadline():
+    import time
+
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    forest = make_forest()
+    oldest = add_leaf(forest, [1, 2, 3, 4], 0, accessed=1.0, created=0.0)
+    add_segment(forest, "s", 10, 3, accessed=2.0, created=0.0)
+    add_leaf(forest, [9, 8, 7, 6, 5], 20, accessed=3.0, created=0.0)
+    master = add_segment(forest, "t", 30, 2, accessed=0.5, created=0.0)
+    state = SimpleNamespace(options=SimpleNamespace(spans=[SimpleNamespace(hash="t")]), key=lambda h: h,
+                            kept=None, reading=[], read_slots={})
+    hinted_release(forest, oldest, {"segments": [], "retain_seconds": 0.3}, state)
+    assert master.readers == 0 and "t" in forest.segments
+    forest.evict(EvictParams(num_tokens=8))  # s, then the newer leaf: the retained ones stay
+    assert sorted(forest.token_to_kv_pool_allocator.freed) == [10, 11, 12, 20, 21, 22, 23, 24]
+    assert "t" in forest.segments and oldest in forest.evictable_leaves
+    time.sleep(0.35)  # the deadline passed: LRU again (t, accessed at 0.5, before the leaf)
+    forest.evict(EvictParams(num_tokens=1))
+    assert "t" not in forest.segments and oldest in forest.evictable_leaves
+
+
+def test_a_pin_holds_its_path_protected_within_the_budget_until_its_deadline():
+    """A pin locks the path with SGLang's lock (protected, never evicted) until its deadline;
+    one past the pin budget is a retain instead, counted."""
+    import time
+
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    forest = make_forest()
+    forest.hints.max_pinned_tokens = 6
+    pinned = add_leaf(forest, [1, 2, 3, 4], 0, accessed=1.0, created=0.0)
+    big = add_leaf(forest, [9, 8, 7, 6, 5], 20, accessed=2.0, created=0.0)
+    hinted_release(forest, pinned, {"segments": [], "pin_seconds": 0.3})
+    assert (forest.protected_size(), forest.evictable_size()) == (4, 5)
+    hinted_release(forest, big, {"segments": [], "pin_seconds": 0.3})  # 4 + 5 > 6: a retain
+    stats = forest.hints.stats()
+    assert (stats["hint_pins"], stats["hint_pinned_tokens"], stats["hint_pins_clipped"]) == (1, 4, 1)
+    forest.evict(EvictParams(num_tokens=100))  # everything evictable: the retained leaf too
+    assert sorted(forest.token_to_kv_pool_allocator.freed) == [20, 21, 22, 23, 24] and pinned.lock_ref == 1
+    time.sleep(0.35)
+    assert (forest.protected_size(), forest.evictable_size()) == (0, 4) and pinned.lock_ref == 0
+    forest.evict(EvictParams(num_tokens=1))
+    assert 0 in forest.token_to_kv_pool_allocator.freed and forest.hints.stats()["hint_pins"] == 0

@@ -47,3 +47,25 @@ def test_the_label_is_taken_out_and_other_labels_kept():
     alone = SimpleNamespace(custom_labels={"tokendance": "{}"})
     strip_router_carrier(alone)
     assert alone.custom_labels is None
+
+
+@pytest.mark.parametrize("hint", [{"pin_seconds": 30}, {"retain_seconds": 0.5}, {"release": True}])
+def test_a_hint_is_carried_to_the_scheduler(hint):
+    options = RequestOptions.from_client(hint, mirror_storage=False)
+    carried = RequestOptions.carried_by({"tokendance": json.dumps(options.payload())})
+    assert carried.hint == options.hint and carried.hint.kind == next(iter(hint)).removesuffix("_seconds")
+    assert RequestOptions.from_client({"release": False}, mirror_storage=False).hint is None
+
+
+@pytest.mark.parametrize("hint, message", [
+    ({"pin_seconds": 10, "retain_seconds": 10}, "at most one"),
+    ({"retain_seconds": 10, "release": True}, "at most one"),
+    ({"pin_seconds": 0}, "pin_seconds"), ({"retain_seconds": -1}, "retain_seconds"),
+    ({"pin_seconds": "60"}, "pin_seconds"), ({"pin_seconds": True}, "pin_seconds"),
+    ({"retain_seconds": 601}, r"\(0, 600\]"), ({"pin_seconds": float("nan")}, "pin_seconds"),
+    ({"release": "yes"}, "release"), ({"pin": 10}, "must be an object"),
+])
+def test_bad_hints_are_errors(hint, message):
+    with pytest.raises(SegmentError, match=message):
+        RequestOptions.from_client(hint, mirror_storage=False)
+    assert RequestOptions.from_client({"retain_seconds": 601}, False, max_hint_seconds=900).hint.seconds == 601

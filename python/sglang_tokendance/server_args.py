@@ -179,6 +179,15 @@ class TokenDanceArgs:
         "the rounds that read it -- is farthest; --radix-eviction-policy orders the rest). next-use is not the "
         "default: it has shown no gain yet (benchmark/results/memory_pressure.md)."
     )
+    max_hint_seconds: float = _option(
+        600.0, "Longest `pin_seconds` or `retain_seconds` a request may give (a longer one is refused with a 400): "
+        "a client's hint on what a finished request's KV is worth -- pin (not evictable until then), retain "
+        "(evicted after everything not retained) or release (evicted first)."
+    )
+    max_pinned_share: float = _option(
+        0.25, "Share of the KV pool that requests' `pin_seconds` hints may hold at once, so one client cannot pin "
+        "the pool; a pin past it is taken as a retain (hint_pins_clipped in /server_info). 0: every pin is a retain."
+    )
     group_probe: int = _option(
         0, "With aligned group selection: only this many members of a round group probe each segment they share "
         "(the layers up to the check layer); the others adopt the group's choice and compute only their kept "
@@ -439,6 +448,7 @@ def tokendance_info(args: TokenDanceArgs) -> dict[str, Any]:
 
 _TYPES = {"bool": bool, "int": int, "float": float, "str": str}
 _RANGES = {  # field -> (lowest, highest or None) allowed value
+    "max_hint_seconds": (1e-3, None), "max_pinned_share": (0, 1),
     "min_segment_tokens": (1, None), "content_chunks": (-1, None),
     "max_segments": (1, None), "check_layer": (1, None), "block_size": (1, None),
     "block_head_tokens": (0, None), "screen_layer": (0, None), "screen_factor": (1, None), "recompute_ratio": (0, 1),

@@ -11,8 +11,10 @@ has no extension point for, so it is written here rather than called:
   that evicted "enough" find the pool still short), and an item none of whose slots it alone
   holds (a leaf whose slots a Master also holds) comes after the items that free slots;
 * an evicted node's slots count one tree owner fewer (srt/tree_slot_counts);
-* (--tokendance-eviction next-use) before the strategy's priority, what no round will read
-  soon goes first (core/next_use: the reads of every released request, by round).
+* clients' hints (srt/hinted_kv) before the strategy's priority: what a finished request
+  released goes first, what one retained last;
+* (--tokendance-eviction next-use) then, before the strategy's priority, what no round will
+  read soon goes first (core/next_use: the reads of every released request, by round).
 
 Everything else -- the strategy's priority, `_delete_leaf`, a parent becoming a leaf, the KV
 events and the eviction metrics -- is SGLang's.
@@ -43,11 +45,12 @@ def evict(forest: SegmentForest, params: EvictParams) -> EvictResult:
     order = itertools.count()  # ties never compare nodes
     priority = forest.eviction_strategy.get_priority
     allocator = forest.token_to_kv_pool_allocator
-    book, now = forest.next_use, time.monotonic()
+    book, hints, now = forest.next_use, forest.hints, time.monotonic()
+    hints.end_pins()
 
     def entry(item, wanted: bool = False) -> tuple:
         due = (1, 0.0) if book is None else book.rank(item_key(item), item.last_access_time, now)
-        return wanted, frees_nothing(forest, item), *due, priority(item), next(order), item
+        return wanted, frees_nothing(forest, item), hints.tier(item, now), *due, priority(item), next(order), item
 
     heap = [entry(n) for n in forest.evictable_leaves]
     heap += [entry(e, id(e) in forest.batch.wanted) for e in forest.segments.entries.values() if not e.readers]
@@ -60,6 +63,7 @@ def evict(forest: SegmentForest, params: EvictParams) -> EvictResult:
             continue
         if book is not None:
             book.forget(item_key(item))
+        hints.forget(item)
         if isinstance(item, SegmentEntry):
             evicted += freed_by(forest, lambda: forest.storage.drop(item), len(item))
             continue

@@ -65,6 +65,7 @@ from sglang_tokendance.served_model import model_salt_from_env
 from sglang_tokendance.server_args import TokenDanceArgs
 from sglang_tokendance.srt import eviction
 from sglang_tokendance.srt.batch_reuse import BatchReuse, probe_limit
+from sglang_tokendance.srt.hinted_kv import HintedKV
 from sglang_tokendance.srt.kept_mirrors import KeptMirrors, is_kept
 from sglang_tokendance.srt.kv_copy import PoolKeys, bytes_per_token, serving_rope_spec
 from sglang_tokendance.srt.metrics import NO_METRICS, ForestMetrics, PrometheusForestMetrics, StorageCounts
@@ -142,6 +143,8 @@ class SegmentForest(RadixCache):
         self.slot_counts = TreeSlotCounts(allocator if self.zero_copy else None)
         self.kept = KeptMirrors(self, self.options, args.keep_rows, args.approximate_budget) \
             if self.zero_copy else None
+        # clients' pin / retain / release hints on what finished requests leave cached
+        self.hints = HintedKV(self, int(args.max_pinned_share * getattr(allocator, "size", 0)))
         super().__init__(params)
         if self.page_size != 1:
             raise ValueError(f"the tokendance radix cache needs --page-size 1, got {self.page_size}")
@@ -166,6 +169,7 @@ class SegmentForest(RadixCache):
             self.sightings.clear()
         if self.next_use is not None:
             self.next_use.clear()
+        self.hints.clear()
         self.metrics.update_held()
 
     def checkpoint(self, req, *, up_to: int) -> None:
@@ -183,7 +187,7 @@ class SegmentForest(RadixCache):
             if state.options.register_output:
                 self.register_output(req, state)
             if self.kept is not None and self.kept.keeps(state.options) and exact < up_to:
-                self.kept.keep_for_agent(req, state.options.agent, up_to)
+                state.kept = self.kept.keep_for_agent(req, state.options.agent, up_to)
         self.metrics.update_held()
 
     def on_release(self, req, *, checkpointed: bool) -> None:
@@ -191,11 +195,22 @@ class SegmentForest(RadixCache):
         if self.next_use is not None and not self.disable:
             eviction.record_reads(self, req, self.requests.get(req))
         super().on_release(req, checkpointed=checkpointed)
+        hint = self.options(req).hint
+        if hint is not None and req.finished() and not self.disable:  # (a retracted request comes back)
+            self.hints.apply(hint, *self.left_cached(req, self.requests.get(req)))
         state = self.requests.pop(req, None)
         if state is None:
             return
         self.storage.release(state, self.batch.release(state))
         self.metrics.update_held()
+
+    def left_cached(self, req, state: RequestReuse | None) -> tuple[list, list]:
+        """What a released request leaves cached: the last nodes of its tree path and of its kept
+        row, and the Masters of its segments and of its row's reads (srt/hinted_kv)."""
+        if state is None:
+            return [req.last_node], []
+        own = (self.segments.entries.get(state.key(span.hash)) for span in state.options.spans)
+        return [req.last_node, state.kept], [entry for entry in own if entry is not None] + state.reading
 
     def insert_segments(self, req, state: RequestReuse, up_to: int) -> None:
         """Cache the request's shared segments whose exact KV is complete (end <= up_to)."""
@@ -292,6 +307,7 @@ class SegmentForest(RadixCache):
         Mirror storage: slots held by unlocked tree nodes and unpinned Masters alone (a slot
         several of them hold, or a live row too, is counted once or not at all), so SGLang
         never admits a prefill on slots eviction cannot free."""
+        self.hints.end_pins()
         if self.zero_copy:
             return self.token_to_kv_pool_allocator.refs.evictable_slots()
         return super().evictable_size() + self.segments.tokens
@@ -304,6 +320,7 @@ class SegmentForest(RadixCache):
         the tree and the Masters hold that eviction cannot free and the own slots a plan keeps
         aside, and takes those row positions off, so every slot is counted once. At
         quiescence it is the tree's."""
+        self.hints.end_pins()
         if not self.zero_copy:
             return super().protected_size()
         refs = self.token_to_kv_pool_allocator.refs
@@ -330,6 +347,7 @@ class SegmentForest(RadixCache):
                 **self.storage_counts()._asdict(),
                 "segment_only_tokens": self.storage.segment_only_tokens(),
                 "pinned_segments": sum(1 for e in self.segments.entries.values() if e.readers),
+                **self.hints.stats(),
                 **({} if self.next_use is None else {"next_use_items": len(self.next_use.uses),
                                                      "next_use_periodic_items": self.next_use.periodic()})}
 

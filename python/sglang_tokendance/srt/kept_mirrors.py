@@ -32,7 +32,7 @@ from typing import Callable
 
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
-from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from sglang_tokendance.srt.request import RequestOptions
 from sglang_tokendance.srt.reuse import is_lora, may_reuse
@@ -65,22 +65,23 @@ class KeptMirrors:
         self.max_approximate = max_approximate  # the server's fidelity budget
         self.rows = 0  # finished rows kept for their continuation
 
-    def keep_for_agent(self, req, agent: str | None, up_to: int) -> None:
+    def keep_for_agent(self, req, agent: str | None, up_to: int) -> TreeNode | None:
         """The finished row's first `up_to` positions stay in the tree for `agent` (None: for
         any request with segments that repeats them), one more reference on each slot the
         path does not hold yet. A row whose tokens the namespace already keeps with other
         slots (another computation of the same tokens) is not kept, so every kept path is one
-        computation."""
+        computation. Returns the kept path's last node (None: not kept)."""
         tree = self.tree
         key = RadixKey(req.full_untruncated_fill_ids[:up_to], kept_namespace(agent, req.extra_key),
                        cache_salt=req.cache_salt)
         row = tree.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :up_to].to(torch.int64, copy=True)
         held = RadixCache.match_prefix(tree, MatchPrefixParams(key=key))
         if not torch.equal(tree.path_device_indices(held.last_device_node), row[:held.device_prefix_len]):
-            return
+            return None
         inserted = tree.insert(InsertParams(key=key, value=row, priority=req.priority or 0))
         tree.token_to_kv_pool_allocator.share(row[inserted.prefix_len:])
         self.rows += 1
+        return inserted.last_device_node
 
     def keeps(self, options: RequestOptions) -> bool:
         """Whether a finished row of a request with these options is kept."""

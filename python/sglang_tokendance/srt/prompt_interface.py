@@ -117,7 +117,7 @@ async def _generate_request(original, args, rule: ChunkRule | None, tokenizer_ma
         segments = body.get("segments") if isinstance(body, dict) and request.url.path.endswith("/generate") else None
         chat = request is not None and request.url.path.endswith("/chat/completions")
         try:
-            options = RequestOptions.from_client(client_options(body), args.mirror_storage)
+            options = RequestOptions.from_client(client_options(body), args.mirror_storage, args.max_hint_seconds)
             strip_router_carrier(obj)
             apply_segments(obj, segments_field=segments, from_chat=chat,
                            segmenter=segmenter_of(tokenizer_manager, args), options=options,
@@ -345,7 +345,8 @@ def _streaming_contract_error(args: TokenDanceArgs, body: Any) -> str | None:
     try:
         apply_segments(obj, segments_field=body.get("segments"), from_chat=False,
                        segmenter=segmenter_of(_global_state.tokenizer_manager, args),
-                       options=RequestOptions.from_client(client_options(body), args.mirror_storage))
+                       options=RequestOptions.from_client(client_options(body), args.mirror_storage,
+                                                          args.max_hint_seconds))
     except SegmentError as e:
         return str(e)
     return None

@@ -1,9 +1,10 @@
 """A request's `tokendance` options: validated once in the tokenizer manager, parsed once in the scheduler.
 
 The client's `tokendance` object (`"register_output"`, `"round"`, `"round_size"`, `"agent"`,
-`"max_approximate_tokens"`)
-is checked by `RequestOptions.from_client` (bad input: `SegmentError`, a 400). The tokenizer
-manager (srt/prompt_interface) adds the prompt's segment spans and sends the whole as JSON in
+`"max_approximate_tokens"`, and one hint on what its KV is worth once it ends: `"pin_seconds"`,
+`"retain_seconds"` or `"release"`, core/hints.py) is checked by `RequestOptions.from_client`
+(bad input: `SegmentError`, a 400). The tokenizer manager (srt/prompt_interface) adds the
+prompt's segment spans and sends the whole as JSON in
 `sampling_params.custom_params[CARRIER_KEY]`, a key stripped from client input first, so a
 client can never supply spans or hashes. In the scheduler `RequestOptionsCache` turns that
 JSON into one `RequestOptions` per SGLang `Req`, the first time anything asks (the round
@@ -19,13 +20,15 @@ from typing import Any
 from weakref import WeakKeyDictionary
 
 from sglang_tokendance.core.collective import MAX_ROUND_ID_CHARS, MAX_ROUND_SIZE, RoundTag
+from sglang_tokendance.core.hints import KVHint
 from sglang_tokendance.core.segments import SegmentError, SegmentSpan
 from sglang_tokendance.routing import OPTIONS_LABEL
 
 CARRIER_KEY = "tokendance"  # in sampling_params.custom_params; only the tokenizer manager sets it
 OPTIONS_SHAPE = ('`tokendance` must be an object like {"register_output": true, "round": "r1", "round_size": 4, '
-                 '"agent": "alice", "max_approximate_tokens": 200}')
-CLIENT_FIELDS = frozenset({"register_output", "round", "round_size", "agent", "max_approximate_tokens"})
+                 '"agent": "alice", "max_approximate_tokens": 200, "retain_seconds": 60}')
+HINT_FIELDS = ("pin_seconds", "retain_seconds", "release")  # at most one per request (core/hints.py)
+CLIENT_FIELDS = frozenset({"register_output", "round", "round_size", "agent", "max_approximate_tokens", *HINT_FIELDS})
 # The string maps sglang-router 0.3.2 keeps when it re-serialises a body (it drops every field it
 # does not know, `tokendance` included, on /generate and /v1/chat/completions): the same object, as
 # JSON text under OPTIONS_LABEL (sglang_tokendance/routing.py).
@@ -41,7 +44,8 @@ class RequestOptions:
     (None: the server's). `find_chunks`: an unmarked prompt whose segments are its content-defined
     chunks, cut once its ids are final (srt/prompt_interface); never in the scheduler.
     `content_chunks`: its spans are those chunks, whose boundaries the content chose, not the
-    client: a read may continue across them into a missed neighbour (core/plan)."""
+    client: a read may continue across them into a missed neighbour (core/plan). `hint`: what
+    its KV is worth once it ends (pin, retain or release; None: SGLang's eviction order)."""
 
     spans: tuple[SegmentSpan, ...] = ()
     register_output: bool = False
@@ -50,6 +54,7 @@ class RequestOptions:
     max_approximate_tokens: int | None = None
     find_chunks: bool = False
     content_chunks: bool = False
+    hint: KVHint | None = None
 
     @property
     def concerns_tokendance(self) -> bool:
@@ -62,9 +67,9 @@ class RequestOptions:
         return [span.hash for span in self.spans]
 
     @classmethod
-    def from_client(cls, options: Any, mirror_storage: bool) -> "RequestOptions":
+    def from_client(cls, options: Any, mirror_storage: bool, max_hint_seconds: float = 600.0) -> "RequestOptions":
         """The client's `tokendance` object (None: absent), validated; `SegmentError` names
-        the first bad field."""
+        the first bad field. A hint's seconds are at most `max_hint_seconds`."""
         if options is None:
             return cls()
         if not isinstance(options, dict) or set(options) - CLIENT_FIELDS:
@@ -87,6 +92,7 @@ class RequestOptions:
         if budget is not None and not (type(budget) is int and budget >= 0):
             raise SegmentError(f"`tokendance.max_approximate_tokens` must be an integer >= 0, got "
                                f"{json.dumps(budget)[:80]}")
+        _check_hint(options, max_hint_seconds)
         given = {key: value for key, value in options.items() if value is not None and value is not False}
         return cls.from_payload(given)
 
@@ -95,9 +101,11 @@ class RequestOptions:
         """The options as the tokenizer manager carried them (`payload`)."""
         spans = tuple(SegmentSpan(**span) for span in payload.get("segments", ()))
         tag = RoundTag(payload["round"], payload.get("round_size")) if "round" in payload else None
+        hint = next((KVHint(name.removesuffix("_seconds"), float(payload[name]) if name != "release" else None)
+                     for name in HINT_FIELDS if name in payload), None)
         return cls(spans, bool(payload.get("register_output")), tag, payload.get("agent"),
                    payload.get("max_approximate_tokens"), bool(payload.get("find_chunks")),
-                   bool(payload.get("content_chunks")))
+                   bool(payload.get("content_chunks")), hint)
 
     @classmethod
     def carried_by(cls, custom_params: dict | None) -> "RequestOptions":
@@ -125,6 +133,8 @@ class RequestOptions:
             payload["find_chunks"] = True
         if self.content_chunks:
             payload["content_chunks"] = True
+        if self.hint is not None:
+            payload.update(self.hint.payload())
         return payload
 
 
@@ -163,6 +173,21 @@ def strip_router_carrier(obj: Any) -> None:
     if isinstance(labels, dict) and OPTIONS_LABEL in labels:
         rest = {key: value for key, value in labels.items() if key != OPTIONS_LABEL}
         obj.custom_labels = rest or None
+
+
+def _check_hint(options: dict, max_seconds: float) -> None:
+    """At most one hint; its seconds a number in (0, max_seconds]; `release` true or false."""
+    given = [name for name in HINT_FIELDS if options.get(name) not in (None, False)]
+    if len(given) > 1:
+        raise SegmentError(f"give at most one of `tokendance.{'`, `tokendance.'.join(HINT_FIELDS)}`, got "
+                           f"{' and '.join(given)}")
+    if not isinstance(options.get("release", False), bool):
+        raise SegmentError(f"`tokendance.release` must be true or false, got {json.dumps(options['release'])[:80]}")
+    for name in HINT_FIELDS[:2]:
+        value = options.get(name)
+        if value is not None and not (type(value) in (int, float) and 0 < value <= max_seconds):
+            raise SegmentError(f"`tokendance.{name}` must be a number of seconds in (0, {max_seconds:g}] "
+                               f"(--tokendance-max-hint-seconds), got {json.dumps(value)[:80]}")
 
 
 def _check_name(name: str, value: Any) -> None:

@@ -166,6 +166,7 @@ class RequestReuse:
     # what it read, for eviction by next use (srt/eviction.record_reads), noted when its chunks are planned:
     round: Hashable | None = None  # the round group it was admitted with (srt/policy; None: none)
     matched: Any = None  # the tree node its prefix matched when its first chunk was planned
+    kept: Any = None  # the last node of its row kept for its continuation (srt/kept_mirrors), for its hint
     _looked_up: set[int] = field(default_factory=set)  # spans counted as a hit or a miss
 
     @property
