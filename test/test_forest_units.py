@@ -97,6 +97,7 @@ def test_eviction_interleaves_leaves_and_segments_in_lru_order():
     assert result.num_tokens_evicted == 7
     assert sorted(forest.token_to_kv_pool_allocator.freed) == [0, 1, 2, 3, 10, 11, 12]
     assert list(forest.segments.entries) == ["t"] and forest.evictable_size() == 7
+    assert forest.evicted_slots == {"tree": 4, "master": 3}  # /server_info's evicted_*_slots
 
 
 def test_eviction_honours_the_radix_eviction_policy():

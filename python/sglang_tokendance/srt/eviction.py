@@ -31,6 +31,7 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult
 from sglang.srt.mem_cache.radix_cache import TreeNode
 
 from sglang_tokendance.core.segment_table import SegmentEntry
+from sglang_tokendance.srt.kept_mirrors import is_kept
 
 if TYPE_CHECKING:
     from sglang_tokendance.srt.forest import SegmentForest
@@ -65,10 +66,14 @@ def evict(forest: SegmentForest, params: EvictParams) -> EvictResult:
             book.forget(item_key(item))
         hints.forget(item)
         if isinstance(item, SegmentEntry):
-            evicted += freed_by(forest, lambda: forest.storage.drop(item), len(item))
+            freed = freed_by(forest, lambda: forest.storage.drop(item), len(item))
+            evicted += freed
+            forest.evicted_slots["master"] += freed
             continue
         forest.slot_counts.evicted(item)
-        evicted += freed_by(forest, lambda: allocator.free_segment(item.value, start_pos=0), len(item.value))
+        freed = freed_by(forest, lambda: allocator.free_segment(item.value, start_pos=0), len(item.value))
+        evicted += freed
+        forest.evicted_slots["kept_row" if is_kept(item) else "tree"] += freed
         forest._delete_leaf(item)
         if len(item.parent.children) == 0 and item.parent.lock_ref == 0:
             heapq.heappush(heap, entry(item.parent))

@@ -49,6 +49,7 @@ Output registration: srt/output_registration.py. Metrics: srt/metrics.py.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Protocol
 
@@ -128,6 +129,7 @@ class SegmentForest(RadixCache):
         self.sightings = Sightings() if args.exact_recurrence else None  # blocks to compute exactly where they recur
         self.next_use = NextUse() if args.eviction == "next-use" else None  # when rounds will read items again
         self.requests: dict[object, RequestReuse] = {}  # SGLang's Req -> its reuse, until released
+        self.evicted_slots: Counter[str] = Counter()  # slots eviction freed: tree, kept_row, master
         allocator = params.token_to_kv_pool_allocator
         if args.mirror_storage and not isinstance(allocator, RefCountedAllocator):
             raise ValueError("mirror storage needs the reference-counted KV allocator (srt/pool.py), "
@@ -348,6 +350,7 @@ class SegmentForest(RadixCache):
                 "segment_only_tokens": self.storage.segment_only_tokens(),
                 "pinned_segments": sum(1 for e in self.segments.entries.values() if e.readers),
                 **self.hints.stats(),
+                **{f"evicted_{kind}_slots": self.evicted_slots[kind] for kind in ("tree", "kept_row", "master")},
                 **({} if self.next_use is None else {"next_use_items": len(self.next_use.uses),
                                                      "next_use_periodic_items": self.next_use.periodic()})}
 
