@@ -117,6 +117,14 @@ def test_rounds_feed_outputs_forward(fake, mode):
     assert result.summary()["peak_kv_used_tokens"] == 7
 
 
+def test_a_simulation_that_releases_at_its_end_hints_release_on_its_last_round_only(fake):
+    fake.bodies.clear()
+    config = WorkloadConfig(**{**PRESETS["generative_agents"].__dict__, "num_agents": 2, "num_rounds": 3})
+    asyncio.run(run_load(fake.url, MODES["tokendance-unmarked-release"], config, 1, float("inf"), Progress()))
+    released = ["Round 3" in b["text"] for b in fake.bodies if opts(b).get("release")]
+    assert len(fake.bodies) == 6 and released == [True, True]
+
+
 def test_a_simulation_thinks_between_its_rounds_not_after_its_last(fake):
     """--think-seconds: each session pauses between its rounds (its world steps), so another
     session's round can start meanwhile; none after its last round; a negative pause is refused."""
