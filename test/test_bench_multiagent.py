@@ -117,12 +117,13 @@ def test_rounds_feed_outputs_forward(fake, mode):
     assert result.summary()["peak_kv_used_tokens"] == 7
 
 
-def test_a_simulation_that_releases_at_its_end_hints_release_on_its_last_round_only(fake):
+def test_a_simulation_named_on_every_request_is_ended_by_its_last_round_only(fake):
     fake.bodies.clear()
     config = WorkloadConfig(**{**PRESETS["generative_agents"].__dict__, "num_agents": 2, "num_rounds": 3})
-    asyncio.run(run_load(fake.url, MODES["tokendance-unmarked-release"], config, 1, float("inf"), Progress()))
-    released = ["Round 3" in b["text"] for b in fake.bodies if opts(b).get("release")]
-    assert len(fake.bodies) == 6 and released == [True, True]
+    asyncio.run(run_load(fake.url, MODES["tokendance-unmarked-sim-end"], config, 2, float("inf"), Progress()))
+    assert len(fake.bodies) == 12 and len({opts(b)["simulation"] for b in fake.bodies}) == 2
+    ended = ["Round 3" in b["text"] for b in fake.bodies if opts(b).get("end_simulation")]
+    assert ended == [True] * 4
 
 
 def test_a_simulation_thinks_between_its_rounds_not_after_its_last(fake):

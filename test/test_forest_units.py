@@ -1190,3 +1190,33 @@ def test_a_pin_holds_its_path_protected_within_the_budget_until_its_deadline():
     assert (forest.protected_size(), forest.evictable_size()) == (0, 4) and pinned.lock_ref == 0
     forest.evict(EvictParams(num_tokens=1))
     assert 0 in forest.token_to_kv_pool_allocator.freed and forest.hints.stats()["hint_pins"] == 0
+
+
+def test_a_simulations_end_releases_what_its_requests_left_and_only_its_own_masters():
+    """Before, an ended simulation's KV went where recency put it (last: it was read most
+    recently); now the request that ends it sends everything its requests alone left first."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    forest = make_forest()
+    other = add_leaf(forest, [1, 2, 3, 4], 0, accessed=1.0, created=0.0)  # another simulation's, older
+    mine = [add_leaf(forest, [7, i, 7], 10 * i + 20, accessed=2.0 + i, created=0.0) for i in range(2)]
+    add_segment(forest, "own", 60, 2, accessed=0.5, created=0.0)
+    add_segment(forest, "shared", 70, 2, accessed=0.4, created=0.0)
+
+    def state(*keys):
+        return SimpleNamespace(options=SimpleNamespace(spans=[SimpleNamespace(hash=k) for k in keys]),
+                               key=lambda h: h, kept=None, reading=[], read_slots={})
+
+    hinted_release(forest, other, {"segments": [], "simulation": "s2"}, state("shared"))
+    hinted_release(forest, mine[0], {"segments": [], "simulation": "s1"}, state("own", "shared"))
+    assert forest.hints.stats()["hint_marks"] == 0  # booked, not released yet
+    hinted_release(forest, mine[1], {"segments": [], "simulation": "s1", "end_simulation": True}, state())
+    stats = forest.hints.stats()
+    assert (stats["simulations_booked"], stats["simulations_ended"]) == (1, 1)
+    # [7] is the two leaves' shared parent: only each leaf's own [i, 7] is released, and "own"
+    forest.evict(EvictParams(num_tokens=6))
+    assert sorted(forest.token_to_kv_pool_allocator.freed) == [21, 22, 31, 32, 60, 61]
+    forest.evict(EvictParams(num_tokens=1))  # then recency: the shared Master, the oldest
+    assert sorted(forest.token_to_kv_pool_allocator.freed)[-2:] == [70, 71] and other in forest.evictable_leaves
+    forest.reset()
+    assert forest.hints.stats()["simulations_booked"] == 0

@@ -74,11 +74,28 @@ def test_a_pin_past_the_budget_is_a_retain(server):
     time.sleep(2.5)
 
 
+def test_the_request_that_ends_a_simulation_sends_what_its_requests_left_first(server):
+    """Before, recency evicted the oldest prompt (another simulation's) first; now the ended
+    simulation's prompts go first, though they were read last."""
+    from sglang_tokendance.bench.server_process import flush_cache
+
+    flush_cache(server)
+    _, length = cached(server, text(4000), simulation="s2")  # the oldest, another simulation's
+    cached(server, text(4001), simulation="s1")
+    cached(server, text(4002), simulation="s1", end_simulation=True)
+    assert forest_stats(server)["simulations_ended"] >= 1
+    for i in range(4003, 4006):
+        cached(server, text(i))  # 6 x ~195 tokens > 1024: the pool evicts
+    assert cached(server, text(4000))[0] >= length - 1  # s2's prompt kept
+    assert min(cached(server, text(4001))[0], cached(server, text(4002))[0]) < length // 2
+
+
 @pytest.mark.parametrize("tokendance, message", [
     ({"pin_seconds": 31}, "--tokendance-max-hint-seconds"),
     ({"pin_seconds": 5, "release": True}, "at most one"),
     ({"retain_seconds": "soon"}, "retain_seconds"),
     ({"release": 1}, "release"),
+    ({"end_simulation": True}, "needs `tokendance.simulation`"),
 ])
 def test_bad_hints_are_refused_with_400(server, tokendance, message):
     r = requests.post(server + "/generate", json={"text": "hello", "sampling_params": {"max_new_tokens": 1},

@@ -55,6 +55,9 @@ def test_a_hint_is_carried_to_the_scheduler(hint):
     carried = RequestOptions.carried_by({"tokendance": json.dumps(options.payload())})
     assert carried.hint == options.hint and carried.hint.kind == next(iter(hint)).removesuffix("_seconds")
     assert RequestOptions.from_client({"release": False}, mirror_storage=False).hint is None
+    ended = RequestOptions.from_client({"simulation": "s1", "end_simulation": True, **hint}, mirror_storage=False)
+    carried = RequestOptions.carried_by({"tokendance": json.dumps(ended.payload())})
+    assert (carried.simulation, carried.end_simulation, carried.hint) == ("s1", True, options.hint)
 
 
 @pytest.mark.parametrize("hint, message", [
@@ -64,6 +67,8 @@ def test_a_hint_is_carried_to_the_scheduler(hint):
     ({"pin_seconds": "60"}, "pin_seconds"), ({"pin_seconds": True}, "pin_seconds"),
     ({"retain_seconds": 601}, r"\(0, 600\]"), ({"pin_seconds": float("nan")}, "pin_seconds"),
     ({"release": "yes"}, "release"), ({"pin": 10}, "must be an object"),
+    ({"end_simulation": True}, "needs `tokendance.simulation`"), ({"simulation": ""}, "simulation"),
+    ({"simulation": "s", "end_simulation": "yes"}, "end_simulation"),
 ])
 def test_bad_hints_are_errors(hint, message):
     with pytest.raises(SegmentError, match=message):

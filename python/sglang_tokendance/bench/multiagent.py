@@ -47,7 +47,7 @@ class Mode:
     marked: bool = False  # send separators (only a TokenDance server understands them)
     rounds: bool = False  # name each round (`round`, `round_size`): its requests are prefilled as one group
     agents: bool = False  # name each request's agent (`agent`): its finished row is kept for its next prompt
-    release_at_end: bool = False  # a simulation's last round hints `release`: what its agents leave goes first
+    simulations: bool = False  # name each request's simulation (`simulation`), ended by its last round's requests
 
     def blend_options(self) -> BlendOptions | None:
         """The blended prefill's options on this mode's server (None for stock SGLang)."""
@@ -84,8 +84,8 @@ MODES: dict[str, Mode] = {
                                 server_args=("--tokendance-eviction", "next-use")),
     "tokendance-unmarked-next-use": Mode("tokendance-unmarked-next-use", stock=False,
                                          server_args=("--tokendance-eviction", "next-use")),
-    # unmarked prompts whose simulation says when it ends: its last round's requests release their KV
-    "tokendance-unmarked-release": Mode("tokendance-unmarked-release", stock=False, release_at_end=True),
+    # unmarked prompts naming their simulation, which its last round ends: what it left is evicted first
+    "tokendance-unmarked-sim-end": Mode("tokendance-unmarked-sim-end", stock=False, simulations=True),
     # every matched block blended, even where core/cost estimates SGLang's own path cheaper
     "tokendance-always": Mode("tokendance-always", stock=False, marked=True,
                               server_args=("--no-tokendance-cost-check",)),
@@ -294,12 +294,12 @@ async def stream_generate(http: aiohttp.ClientSession, url: str, body: dict,
 
 
 def request_body(sim: Simulation, mode: Mode, pieces: list[str], prefill_only: bool = False, round_id: str = "",
-                 agent_id: str = "", last_round: bool = False) -> dict:
+                 agent_id: str = "", simulation: str = "", last_round: bool = False) -> dict:
     """A round's prompt from its pieces: marked for TokenDance, which also registers each
     output as next round's block (except in prefill-only sessions, whose next blocks are
     stand-ins); under a mode with rounds, the request names its round `round_id` (of all the
-    simulation's agents); under a mode with agents, its agent `agent_id`; under a mode that
-    releases at the end, the simulation's `last_round` releases its KV. The options go as
+    simulation's agents); under a mode with agents, its agent `agent_id`; under a mode with
+    simulations, its `simulation`, ended by the requests of its `last_round`. The options go as
     JSON text in `custom_labels`, which SGLang's router passes on."""
     text = join_pieces(pieces, DEFAULT_SEPARATOR if mode.marked else "")
     max_new = 1 if prefill_only else sim.config.max_new_tokens
@@ -309,8 +309,8 @@ def request_body(sim: Simulation, mode: Mode, pieces: list[str], prefill_only: b
         options |= {"round": round_id, "round_size": len(sim.agents)}
     if mode.agents:
         options |= {"agent": agent_id}
-    if mode.release_at_end and last_round:
-        options |= {"release": True}
+    if mode.simulations:
+        options |= {"simulation": simulation, **({"end_simulation": True} if last_round else {})}
     if options:
         body["custom_labels"] = options_label(options)
     return body
@@ -340,8 +340,8 @@ async def run_session(http, url: str, mode: Mode, sim: Simulation, session: int,
     for round_index in range(sim.config.num_rounds):
         pieces = [sim.round_pieces(a, round_index, blocks, earlier[a]) for a in range(len(sim.agents))]
         last = round_index == sim.config.num_rounds - 1
-        bodies = [request_body(sim, mode, pieces[a], prefill_only, f"{run_id}-{round_index}", f"{run_id}-{a}", last)
-                  for a in range(len(sim.agents))]
+        bodies = [request_body(sim, mode, pieces[a], prefill_only, f"{run_id}-{round_index}", f"{run_id}-{a}", key,
+                               last) for a in range(len(sim.agents))]
         with watch(round_index) if watch else contextlib.nullcontext():
             start = time.perf_counter()
             answers = await asyncio.gather(*(stream_generate(http, url, b, key) for b in bodies),

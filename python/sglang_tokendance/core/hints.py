@@ -11,9 +11,12 @@ carries the hint:
   it never stops an allocation);
 * release: evicted before everything else, unless something reads it again first.
 
-This module is the book: which cached item holds which hint until when, bounded (oldest
-dropped) and cleared with the cache. srt/hinted_kv.py applies it to SGLang's tree and the
-Masters; srt/eviction.py ranks by `tier`.
+A request may also name its `simulation`; the one that ends it (`end_simulation`) releases
+what every request of that simulation left (`Simulations`).
+
+This module is the books: which cached item holds which hint until when, and what each
+simulation left; bounded (oldest dropped) and cleared with the cache. srt/hinted_kv.py applies
+them to SGLang's tree and the Masters; srt/eviction.py ranks by `tier`.
 """
 
 from __future__ import annotations
@@ -107,3 +110,51 @@ class Hints(Generic[Handle]):
         handles = [pin.handle for pin in self.pins.values()]
         self.pins.clear()
         return handles
+
+
+class Simulations(Generic[Handle]):
+    """What each simulation's finished requests left cached, until the simulation ends: the last
+    nodes of their paths (`Handle`s) and the keys of their Masters, with the simulations that
+    left each Master. Bounded: `capacity` simulations (the oldest forgotten), `per_simulation`
+    handles each (the oldest dropped)."""
+
+    def __init__(self, capacity: int = 1024, per_simulation: int = 4096):
+        self.capacity, self.per_simulation = capacity, per_simulation
+        self.left: OrderedDict[str, tuple[list[Handle], set[Hashable]]] = OrderedDict()
+        self.touched: dict[Hashable, set[str]] = {}  # Master key -> the simulations that left it
+
+    def record(self, simulation: str, ends: Iterable[Handle], masters: Iterable[Hashable]) -> None:
+        handles, keys = self.left.setdefault(simulation, ([], set()))
+        self.left.move_to_end(simulation)
+        handles.extend(ends)
+        del handles[:-self.per_simulation]
+        for key in masters:
+            keys.add(key)
+            self.touched.setdefault(key, set()).add(simulation)
+        while len(self.left) > self.capacity:
+            self._drop(next(iter(self.left)))
+
+    def end(self, simulation: str) -> tuple[list[Handle], list[Hashable]]:
+        """The simulation's handles and the Masters no other simulation left; it is forgotten."""
+        handles, keys = self.left.get(simulation, ([], set()))
+        own = [key for key in keys if self.touched.get(key) == {simulation}]
+        self._drop(simulation)
+        return handles, own
+
+    def forget_master(self, key: Hashable) -> None:
+        """An evicted Master."""
+        for simulation in self.touched.pop(key, ()):
+            self.left[simulation][1].discard(key)
+
+    def clear(self) -> None:
+        self.left.clear()
+        self.touched.clear()
+
+    def _drop(self, simulation: str) -> None:
+        _, keys = self.left.pop(simulation, ([], set()))
+        for key in keys:
+            others = self.touched.get(key)
+            if others is not None:
+                others.discard(simulation)
+                if not others:
+                    del self.touched[key]

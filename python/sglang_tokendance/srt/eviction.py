@@ -11,8 +11,9 @@ has no extension point for, so it is written here rather than called:
   that evicted "enough" find the pool still short), and an item none of whose slots it alone
   holds (a leaf whose slots a Master also holds) comes after the items that free slots;
 * an evicted node's slots count one tree owner fewer (srt/tree_slot_counts);
-* clients' hints (srt/hinted_kv) before the strategy's priority: what a finished request
-  released goes first, what one retained last;
+* clients' hints (srt/hinted_kv) before everything but the batch's own reads: what a finished
+  request or simulation released goes first, even where it frees nothing yet (its co-owners,
+  released too, then free its slots), what one retained last;
 * (--tokendance-eviction next-use) then, before the strategy's priority, what no round will
   read soon goes first (core/next_use: the reads of every released request, by round).
 
@@ -49,16 +50,16 @@ def evict(forest: SegmentForest, params: EvictParams) -> EvictResult:
     book, hints, now = forest.next_use, forest.hints, time.monotonic()
     hints.end_pins()
 
-    def entry(item, wanted: bool = False) -> tuple:
+    def entry(item, wanted: bool = False) -> tuple:  # the first of these ranks first
         due = (1, 0.0) if book is None else book.rank(item_key(item), item.last_access_time, now)
-        return wanted, frees_nothing(forest, item), hints.tier(item, now), *due, priority(item), next(order), item
+        return wanted, hints.tier(item, now), frees_nothing(forest, item), *due, priority(item), next(order), item
 
     heap = [entry(n) for n in forest.evictable_leaves]
     heap += [entry(e, id(e) in forest.batch.wanted) for e in forest.segments.entries.values() if not e.readers]
     heapq.heapify(heap)
     evicted = 0
     while evicted < params.num_tokens and heap:
-        wanted, nothing, *_, item = heapq.heappop(heap)
+        wanted, _, nothing, *_, item = heapq.heappop(heap)
         if not nothing and frees_nothing(forest, item):  # a co-owner's references changed since
             heapq.heappush(heap, entry(item, wanted))
             continue

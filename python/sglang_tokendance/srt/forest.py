@@ -197,9 +197,9 @@ class SegmentForest(RadixCache):
         if self.next_use is not None and not self.disable:
             eviction.record_reads(self, req, self.requests.get(req))
         super().on_release(req, checkpointed=checkpointed)
-        hint = self.options(req).hint
-        if hint is not None and req.finished() and not self.disable:  # (a retracted request comes back)
-            self.hints.apply(hint, *self.left_cached(req, self.requests.get(req)))
+        options = self.options(req)
+        if options.hints_what_it_leaves and req.finished() and not self.disable:  # (a retracted one comes back)
+            self.hints.on_finished(options, *self.left_cached(req, self.requests.get(req)))
         state = self.requests.pop(req, None)
         if state is None:
             return

@@ -2,7 +2,8 @@
 
 The client's `tokendance` object (`"register_output"`, `"round"`, `"round_size"`, `"agent"`,
 `"max_approximate_tokens"`, and one hint on what its KV is worth once it ends: `"pin_seconds"`,
-`"retain_seconds"` or `"release"`, core/hints.py) is checked by `RequestOptions.from_client`
+`"retain_seconds"` or `"release"`, core/hints.py; the `"simulation"` it belongs to, and
+`"end_simulation"` on the request that ends it) is checked by `RequestOptions.from_client`
 (bad input: `SegmentError`, a 400). The tokenizer manager (srt/prompt_interface) adds the
 prompt's segment spans and sends the whole as JSON in
 `sampling_params.custom_params[CARRIER_KEY]`, a key stripped from client input first, so a
@@ -28,7 +29,8 @@ CARRIER_KEY = "tokendance"  # in sampling_params.custom_params; only the tokeniz
 OPTIONS_SHAPE = ('`tokendance` must be an object like {"register_output": true, "round": "r1", "round_size": 4, '
                  '"agent": "alice", "max_approximate_tokens": 200, "retain_seconds": 60}')
 HINT_FIELDS = ("pin_seconds", "retain_seconds", "release")  # at most one per request (core/hints.py)
-CLIENT_FIELDS = frozenset({"register_output", "round", "round_size", "agent", "max_approximate_tokens", *HINT_FIELDS})
+CLIENT_FIELDS = frozenset({"register_output", "round", "round_size", "agent", "max_approximate_tokens", *HINT_FIELDS,
+                           "simulation", "end_simulation"})
 # The string maps sglang-router 0.3.2 keeps when it re-serialises a body (it drops every field it
 # does not know, `tokendance` included, on /generate and /v1/chat/completions): the same object, as
 # JSON text under OPTIONS_LABEL (sglang_tokendance/routing.py).
@@ -45,7 +47,9 @@ class RequestOptions:
     chunks, cut once its ids are final (srt/prompt_interface); never in the scheduler.
     `content_chunks`: its spans are those chunks, whose boundaries the content chose, not the
     client: a read may continue across them into a missed neighbour (core/plan). `hint`: what
-    its KV is worth once it ends (pin, retain or release; None: SGLang's eviction order)."""
+    its KV is worth once it ends (pin, retain or release; None: SGLang's eviction order).
+    `simulation`: the simulation it belongs to; `end_simulation`: once it ends, what every request
+    of that simulation left cached is released (srt/hinted_kv)."""
 
     spans: tuple[SegmentSpan, ...] = ()
     register_output: bool = False
@@ -55,12 +59,19 @@ class RequestOptions:
     find_chunks: bool = False
     content_chunks: bool = False
     hint: KVHint | None = None
+    simulation: str | None = None
+    end_simulation: bool = False
 
     @property
     def concerns_tokendance(self) -> bool:
         """Whether the scheduler keeps per-request state for it (segments, output
         registration or a named agent); any other request is SGLang's alone."""
         return bool(self.spans) or self.register_output or self.agent is not None
+
+    @property
+    def hints_what_it_leaves(self) -> bool:
+        """Whether what it leaves cached takes a hint or its simulation's book (srt/hinted_kv)."""
+        return self.hint is not None or self.simulation is not None
 
     @property
     def hashes(self) -> list[str]:
@@ -93,6 +104,12 @@ class RequestOptions:
             raise SegmentError(f"`tokendance.max_approximate_tokens` must be an integer >= 0, got "
                                f"{json.dumps(budget)[:80]}")
         _check_hint(options, max_hint_seconds)
+        _check_name("simulation", options.get("simulation"))
+        if not isinstance(options.get("end_simulation", False), bool):
+            raise SegmentError(f"`tokendance.end_simulation` must be true or false, got "
+                               f"{json.dumps(options['end_simulation'])[:80]}")
+        if options.get("end_simulation") and options.get("simulation") is None:
+            raise SegmentError("`tokendance.end_simulation` needs `tokendance.simulation`: the simulation it ends")
         given = {key: value for key, value in options.items() if value is not None and value is not False}
         return cls.from_payload(given)
 
@@ -105,7 +122,8 @@ class RequestOptions:
                      for name in HINT_FIELDS if name in payload), None)
         return cls(spans, bool(payload.get("register_output")), tag, payload.get("agent"),
                    payload.get("max_approximate_tokens"), bool(payload.get("find_chunks")),
-                   bool(payload.get("content_chunks")), hint)
+                   bool(payload.get("content_chunks")), hint, payload.get("simulation"),
+                   bool(payload.get("end_simulation")))
 
     @classmethod
     def carried_by(cls, custom_params: dict | None) -> "RequestOptions":
@@ -135,6 +153,10 @@ class RequestOptions:
             payload["content_chunks"] = True
         if self.hint is not None:
             payload.update(self.hint.payload())
+        if self.simulation is not None:
+            payload["simulation"] = self.simulation
+        if self.end_simulation:
+            payload["end_simulation"] = True
         return payload
 
 
