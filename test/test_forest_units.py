@@ -21,6 +21,7 @@ class Allocator:
 
     device = "cpu"
     page_size = 1
+    size = 1024
 
     def __init__(self):
         self.freed: list[int] = []

@@ -146,7 +146,7 @@ class SegmentForest(RadixCache):
         self.kept = KeptMirrors(self, self.options, args.keep_rows, args.approximate_budget) \
             if self.zero_copy else None
         # clients' pin / retain / release hints on what finished requests leave cached
-        self.hints = HintedKV(self, int(args.max_pinned_share * getattr(allocator, "size", 0)))
+        self.hints = HintedKV(self, int(args.max_pinned_share * allocator.size))
         super().__init__(params)
         if self.page_size != 1:
             raise ValueError(f"the tokendance radix cache needs --page-size 1, got {self.page_size}")
@@ -194,13 +194,13 @@ class SegmentForest(RadixCache):
 
     def on_release(self, req, *, checkpointed: bool) -> None:
         """SGLang released the request (finished, aborted or retracted): drop its state."""
+        state = self.requests.pop(req, None)
         if self.next_use is not None and not self.disable:
-            eviction.record_reads(self, req, self.requests.get(req))
+            eviction.record_reads(self, req, state)
         super().on_release(req, checkpointed=checkpointed)
         options = self.options(req)
         if options.hints_what_it_leaves and req.finished() and not self.disable:  # (a retracted one comes back)
-            self.hints.on_finished(options, *self.left_cached(req, self.requests.get(req)))
-        state = self.requests.pop(req, None)
+            self.hints.on_finished(options, *self.left_cached(req, state))
         if state is None:
             return
         self.storage.release(state, self.batch.release(state))
