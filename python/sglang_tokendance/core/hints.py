@@ -104,12 +104,10 @@ class Hints(Generic[Handle]):
         """An evicted item's mark."""
         self.marks.pop(key, None)
 
-    def clear(self) -> list[Handle]:
-        """Everything forgotten (the cache was flushed): the pins' handles."""
+    def clear(self) -> None:
+        """Everything forgotten (the cache was flushed, its locks with it)."""
         self.marks.clear()
-        handles = [pin.handle for pin in self.pins.values()]
         self.pins.clear()
-        return handles
 
 
 class Simulations(Generic[Handle]):

@@ -96,12 +96,18 @@ def record_reads(forest: SegmentForest, req, state) -> None:
     (srt/policy's group, or the request alone). A request without reuse state records none."""
     if state is None:
         return
-    node, items = state.matched, [item_key(entry) for entry in state.reading]
-    while node is not None and node is not forest.root_node:
-        items.append(id(node))
-        node = node.parent
+    items = [item_key(entry) for entry in state.reading] + [id(node) for node in path_up(forest, state.matched)]
     round_key = state.round if state.round is not None else ("request", req.rid)
     forest.next_use.used(items, round_key, time.monotonic())
+
+
+def path_up(forest: SegmentForest, node: TreeNode | None) -> list[TreeNode]:
+    """`node` and its ancestors below the root (none for None)."""
+    path = []
+    while node is not None and node is not forest.root_node:
+        path.append(node)
+        node = node.parent
+    return path
 
 
 def frees_nothing(forest: SegmentForest, item: TreeNode | SegmentEntry) -> bool:

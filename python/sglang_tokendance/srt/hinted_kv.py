@@ -30,7 +30,7 @@ from sglang.srt.mem_cache.radix_cache import TreeNode
 
 from sglang_tokendance.core.hints import Hints, KVHint, Simulations
 from sglang_tokendance.core.segment_table import SegmentEntry
-from sglang_tokendance.srt.eviction import item_key
+from sglang_tokendance.srt.eviction import item_key, path_up
 from sglang_tokendance.srt.request import RequestOptions
 
 if TYPE_CHECKING:
@@ -69,7 +69,7 @@ class HintedKV:
         until = now + hint.seconds
         if hint.kind == "pin" and self._pin(ends, until):
             ends = []
-        self.book.retain([item_key(node) for end in ends for node in self._path(end)]
+        self.book.retain([item_key(node) for end in ends for node in path_up(self.forest, end)]
                          + [item_key(entry) for entry in masters], until)
 
     def record(self, simulation: str, paths: Iterable[TreeNode | None], masters: Iterable[SegmentEntry]) -> None:
@@ -119,8 +119,8 @@ class HintedKV:
         """Lock each path's last node until `until`, if the budget has room for every token they
         newly protect; False (nothing locked): a retain instead."""
         held = self._pinned_nodes()
-        new = {id(node): node for end in ends for node in self._path(end) if id(node) not in held}
-        if not ends or sum(len(node.key) for node in new.values()) + self.pinned_tokens() > self.max_pinned_tokens:
+        new = {id(node): node for end in ends for node in path_up(self.forest, end) if id(node) not in held}
+        if not ends or sum(len(node.key) for node in (*held.values(), *new.values())) > self.max_pinned_tokens:
             self.clipped_pins += bool(ends)
             return False
         for end in ends:
@@ -129,15 +129,7 @@ class HintedKV:
         return True
 
     def _pinned_nodes(self) -> dict[int, TreeNode]:
-        return {id(node): node for pin in self.book.pins.values() for node in self._path(pin.handle)}
-
-    def _path(self, node: TreeNode) -> list[TreeNode]:
-        """`node` and its ancestors below the root."""
-        path = []
-        while node is not None and node is not self.forest.root_node:
-            path.append(node)
-            node = node.parent
-        return path
+        return {id(node): node for pin in self.book.pins.values() for node in path_up(self.forest, pin.handle)}
 
     def _attached(self, node: TreeNode) -> bool:
         """Whether `node` is still in the tree (an evicted node is cut from its parent)."""

@@ -24,6 +24,7 @@ from sglang_tokendance.core.collective import MAX_ROUND_ID_CHARS, MAX_ROUND_SIZE
 from sglang_tokendance.core.hints import KVHint
 from sglang_tokendance.core.segments import SegmentError, SegmentSpan
 from sglang_tokendance.routing import OPTIONS_LABEL
+from sglang_tokendance.server_args import TokenDanceArgs
 
 CARRIER_KEY = "tokendance"  # in sampling_params.custom_params; only the tokenizer manager sets it
 OPTIONS_SHAPE = ('`tokendance` must be an object like {"register_output": true, "round": "r1", "round_size": 4, '
@@ -78,7 +79,8 @@ class RequestOptions:
         return [span.hash for span in self.spans]
 
     @classmethod
-    def from_client(cls, options: Any, mirror_storage: bool, max_hint_seconds: float = 600.0) -> "RequestOptions":
+    def from_client(cls, options: Any, mirror_storage: bool,
+                    max_hint_seconds: float = TokenDanceArgs.max_hint_seconds) -> "RequestOptions":
         """The client's `tokendance` object (None: absent), validated; `SegmentError` names
         the first bad field. A hint's seconds are at most `max_hint_seconds`."""
         if options is None:
